@@ -32,9 +32,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 # Human/Assistant dialog format (as in Anthropic HH and DeepSpeed-Chat), as a chat template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% if not loop.first and message['role'] != 'assistant' %}{{ '\\n\\n' }}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}Human: {{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}{{ eos_token }}\n\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )

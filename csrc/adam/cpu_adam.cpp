@@ -1,0 +1,128 @@
+// Torch binding of the CPU fused Adam/AdamW op (module `fused_adam_cpu`).
+//
+// adam_step() takes flat lists of contiguous CPU tensors (one optimizer step of a parameter
+// group, all at the same step count), cuts them into fixed-size chunks and runs the chunks on
+// torch's intra-op OpenMP threads with the widest kernel this CPU supports (AVX-512F, AVX2+FMA,
+// else portable scalar code). One pass reads p, g, m, v and writes p, m, v (+ master, + a bf16
+// copy of the updated parameters when asked for: what ZeRO-Offload hands back to the GPU).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <vector>
+
+#include "adam_checks.h"
+#include "cpu_adam.h"
+
+namespace rlhf_adam {
+namespace {
+
+// 64K floats = 256 KiB per stream: big enough to amortise the dispatch, small enough that a few
+// hundred chunks spread evenly over threads when tensors have very different sizes.
+constexpr int64_t kChunk = 1 << 16;
+
+bool cpu_has_avx2() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+  // libgcc's CPU probe also checks (via xgetbv) that the OS saves the AVX-512 registers.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// The kernels this machine can run, widest last.
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas{"scalar"};
+  if (cpu_has_avx2()) isas.emplace_back("avx2");
+  if (cpu_has_avx512()) isas.emplace_back("avx512");
+  return isas;
+}
+
+std::string best_isa() { return supported_isas().back(); }
+
+AdamSpanFn resolve_isa(const std::string& requested) {
+  const std::string isa = requested == "auto" ? best_isa() : requested;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "fused_adam_cpu: this CPU has no AVX-512F");
+    return &adam_span_avx512;
+  }
+  if (isa == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(), "fused_adam_cpu: this CPU has no AVX2/FMA");
+    return &adam_span_avx2;
+  }
+#endif
+  TORCH_CHECK(isa == "scalar", "fused_adam_cpu: unknown or unsupported isa '", requested,
+              "' (supported: auto, ", c10::Join(", ", supported_isas()), ")");
+  return &adam_span_scalar;
+}
+
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& lp_out,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               int64_t step, bool adam_w_mode, const std::string& isa) {
+  const AdamLists lists{params, grads, exp_avgs, exp_avg_sqs, masters, lp_out};
+  const ParamType type = check_adam_lists("fused_adam_cpu", lists, step);
+  if (!params.empty()) {
+    TORCH_CHECK(params[0].device().is_cpu(), "fused_adam_cpu: tensors must be on the CPU");
+  }
+  const AdamSpanFn kernel = resolve_isa(isa);
+  const AdamHyper hyper = make_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode);
+
+  std::vector<AdamSpan> spans;
+  int64_t total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t numel = p.numel();
+    const int64_t elem = static_cast<int64_t>(p.element_size());
+    for (int64_t begin = 0; begin < numel; begin += kChunk) {
+      AdamSpan s{};
+      s.param = static_cast<char*>(p.data_ptr()) + begin * elem;
+      s.grad = static_cast<const char*>(grads[i].data_ptr()) + begin * elem;
+      s.exp_avg = exp_avgs[i].data_ptr<float>() + begin;
+      s.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>() + begin;
+      s.master = masters.empty() ? nullptr : masters[i].data_ptr<float>() + begin;
+      s.lp_out = lp_out.empty()
+                     ? nullptr
+                     : reinterpret_cast<bf16_t*>(lp_out[i].data_ptr<at::BFloat16>()) + begin;
+      s.numel = std::min(kChunk, numel - begin);
+      s.param_type = type;
+      spans.push_back(s);
+    }
+    total += numel;
+  }
+
+  // Below one chunk of work a parallel region costs more than it saves.
+  const int64_t grain = total <= kChunk ? static_cast<int64_t>(spans.size()) : 1;
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) kernel(spans[i], hyper);
+  });
+}
+
+}  // namespace
+}  // namespace rlhf_adam
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused Adam/AdamW step for CPU tensors (AVX-512 / AVX2 / scalar, OpenMP)";
+  m.def("adam_step", &rlhf_adam::adam_step, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("masters"), py::arg("lp_out"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("adam_w_mode"),
+        py::arg("isa") = "auto",
+        "One Adam/AdamW step over flat lists of contiguous CPU tensors (empty masters/lp_out "
+        "lists mean none).",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("supported_isas", &rlhf_adam::supported_isas,
+        "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
+  m.def("best_isa", &rlhf_adam::best_isa, "The kernel isa='auto' picks on this CPU.");
+}

@@ -1,0 +1,19 @@
+// Portable CPU span kernel: the fallback on CPUs without AVX2 (and on non-x86 machines).
+// Compiled with the baseline flags only; the compiler may still auto-vectorise it.
+#include <cmath>
+
+#include "cpu_adam.h"
+
+namespace rlhf_adam::scalar {
+
+#define RLHF_ADAM_FN inline
+#include "cpu_adam_span.inc"
+#undef RLHF_ADAM_FN
+
+}  // namespace rlhf_adam::scalar
+
+namespace rlhf_adam {
+void adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper) {
+  scalar::adam_span<scalar::Scalar>(span, hyper);
+}
+}  // namespace rlhf_adam

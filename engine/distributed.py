@@ -1,0 +1,133 @@
+"""The one object that owns process groups and device meshes.
+
+Nothing else in the project reads RANK/WORLD_SIZE or calls init_process_group. A single process
+without torchrun still gets a (1-rank) process group, so FSDP2 and DCP code paths are the same at
+every world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from rlhf.errors import UserError
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DistributedContext:
+    """Rank, world size, device, and the meshes built over them.
+
+    `mesh` is 1-D over all ranks ("dp") for FSDP2 sharding; `replicate_mesh` is the 2-D
+    ("replicate", "shard") mesh with a shard dim of 1 used for ZeRO-0 (HSDP that shards nothing =
+    data parallel); `tp_mesh(tp)` is a 2-D ("dp", "tp") mesh for tensor-parallel rollout.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    _tp_meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False)
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _replicate_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def initialize(cls, timeout_minutes: float = 30.0) -> "DistributedContext":
+        """Join (or create) the default process group from torchrun's environment, or alone."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() and os.environ.get("RLHF_FORCE_CPU") != "1"
+        if use_cuda:
+            if local_rank >= torch.cuda.device_count():
+                raise UserError(
+                    f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs; lower --nproc-per-node"
+                )
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        backend = "nccl" if use_cuda else "gloo"
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(minutes=timeout_minutes)
+            if "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+            else:
+                # A lone process: an in-memory store, so no port is opened.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        ctx = cls(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
+                  device=device, backend=backend)
+        log.info("distributed: world_size=%d backend=%s device=%s", ctx.world_size, backend, device)
+        return ctx
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """1-D mesh over all ranks, for FSDP2 sharding (ZeRO 1/2/3)."""
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device_type, (self.world_size,), mesh_dim_names=("dp",))
+        return self._mesh
+
+    @property
+    def replicate_mesh(self) -> DeviceMesh:
+        """2-D (replicate=world, shard=1) mesh: FSDP2 over it replicates params (ZeRO-0)."""
+        if self._replicate_mesh is None:
+            self._replicate_mesh = init_device_mesh(
+                self.device_type, (self.world_size, 1), mesh_dim_names=("replicate", "shard")
+            )
+        return self._replicate_mesh
+
+    def tp_mesh(self, tp_size: int) -> DeviceMesh:
+        """2-D (dp, tp) mesh with consecutive ranks in one TP group (they share a node)."""
+        if tp_size < 1 or self.world_size % tp_size:
+            raise UserError(
+                f"inference_tp_size={tp_size} must divide the world size {self.world_size}"
+            )
+        if tp_size not in self._tp_meshes:
+            self._tp_meshes[tp_size] = init_device_mesh(
+                self.device_type, (self.world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp")
+            )
+        return self._tp_meshes[tp_size]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce_sum(self, value: float | torch.Tensor) -> torch.Tensor:
+        """Sum a scalar or tensor over all ranks (returns a new tensor on this rank's device)."""
+        t = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).to(self.device).clone()
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        t = value.to(self.device).clone()
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Rank `src`'s Python object on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

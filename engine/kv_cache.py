@@ -1,0 +1,100 @@
+"""The rollout KV cache: preallocated once per rollout, written in place, read as a prefix.
+
+`RolloutKVCache` is a transformers `Cache`, so any Hugging Face decoder-only model takes it
+as `past_key_values` through its own forward (nothing is patched). Each full-attention layer
+allocates [batch, kv_heads, prompt + max_new_tokens, head_dim] keys and values on its first
+write (so dtype, device and the per-rank head count under tensor parallelism come from the
+model itself) and never reallocates. Unlike `transformers.StaticCache`, a layer returns only
+the filled prefix `[:, :, :length]`: attention then reads the tokens that exist instead of the
+whole buffer behind a mask, which halves prefill and average decode attention work when the
+rollout doubles the prompt. The write position is a host-side int advanced by the known number
+of tokens, so no step reads a device value.
+
+Sliding-window and chunked layers (Mistral/Qwen2 configs that enable them) use transformers'
+own `StaticSlidingWindowLayer`, whose mask sizes the model's mask functions already know.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+
+
+class PrefixStaticLayer(CacheLayerMixin):
+    """One full-attention layer: a preallocated buffer, appended in place, read as its filled prefix."""
+
+    # Marks the cache as static to the masking code: a one-token decode step then always builds
+    # its padding mask from tensors instead of testing `padding_mask.all()` on the host.
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, **kwargs: object) -> None:
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros((batch, heads, self.max_cache_len, key_states.shape[-1]))
+        self.values = value_states.new_zeros((batch, heads, self.max_cache_len, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.max_cache_len:
+            raise RuntimeError(f"KV cache overflow: writing up to position {end} of {self.max_cache_len}")
+        self.keys[:, :, self.length : end].copy_(key_states)
+        self.values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Asked before this step's keys are written: the step attends to length + query_length.
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class RolloutKVCache(Cache):
+    """The KV cache of one rollout: every layer preallocated for `max_cache_len` tokens."""
+
+    def __init__(self, config: PretrainedConfig, max_cache_len: int) -> None:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        layers: list[CacheLayerMixin] = []
+        for layer_type, kwargs in zip(layer_types, layer_kwargs):
+            if layer_type == "full_attention":
+                layers.append(PrefixStaticLayer(max_cache_len))
+            elif layer_type in ("sliding_attention", "chunked_attention"):
+                layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, **kwargs))
+            else:
+                raise NotImplementedError(
+                    f"the rollout KV cache has no layer for {layer_type!r} attention "
+                    f"(model type {config.model_type!r}); supported: full, sliding and chunked attention"
+                )
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+
+    def bytes_allocated(self) -> int:
+        """Bytes held by the keys and values allocated so far (0 before the first forward)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                total += layer.keys.numel() * layer.keys.element_size()
+                total += layer.values.numel() * layer.values.element_size()
+        return total

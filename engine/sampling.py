@@ -1,0 +1,108 @@
+"""Next-token selection: logits -> token ids, with greedy, temperature, top-k and top-p.
+
+Pure tensor functions with no host synchronisation (no `.item()`, no branching on tensor
+values), so they can run inside a decode step that is captured or compiled, and so a fused
+kernel can later replace them behind the same signature. The semantics follow Hugging Face's
+`TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`, applied in that order
+(the order `transformers.generate` uses), which tests/test_generation.py checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a rollout picks its tokens and when it stops."""
+
+    max_new_tokens: int
+    """Tokens generated after the prompt; every output has exactly prompt + this many columns."""
+    pad_token_id: int
+    """Written after a sequence has finished (and in any column it never reached)."""
+    eos_token_id: int | list[int] | None = None
+    """A sequence stops after emitting any of these; None generates max_new_tokens always."""
+    do_sample: bool = True
+    """Sample from the processed distribution; False takes the argmax of the raw logits."""
+    temperature: float = 1.0
+    """Logits are divided by this before top-k/top-p; must be > 0 when sampling."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (ties with the k-th kept); 0 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1.0 disables."""
+    sync_every: int = 8
+    """Check on the host whether every sequence has finished once per this many decode steps
+    (the only host synchronisation of the loop); 0 never checks and always runs max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.sync_every < 0:
+            raise ValueError(f"SamplingParams.sync_every must be >= 0, got {self.sync_every}")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The stop ids as a list (empty when generation never stops early)."""
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        return list(self.eos_token_id)
+
+
+def process_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p over [..., vocab] logits, in float32.
+
+    Removed tokens get -inf, so `softmax` of the result is the distribution sampled from.
+    At least one token (the most likely) always survives.
+    """
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose total mass stays within 1 - top_p; the most likely token
+        # (last in ascending order) is always kept.
+        sorted_remove = cumulative <= (1.0 - top_p)
+        sorted_remove[..., -1] = False
+        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from softmax(logits), without a host sync.
+
+    Uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
+    p_i. Unlike `torch.multinomial` it never synchronises with the host on CUDA (as in
+    gpt-fast). Rows of [..., vocab] -> ids of shape [...].
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    # An exact 0 draw would turn a removed token's 0/0 into NaN, which argmax prefers.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return torch.argmax(probs / race, dim=-1)
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64."""
+    if not params.do_sample:
+        return torch.argmax(logits, dim=-1)
+    scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    return sample_from_logits(scores, generator)

@@ -1,0 +1,209 @@
+"""Train mode of the hybrid engine: one trainable model with its optimizer, schedule and scaling.
+
+Usage in a stage (DeepSpeed-style boundaries, but the engine owns them):
+
+    engine = TrainEngine(model, config.engine, ctx, total_steps=...)
+    for micro_batch in batches:
+        loss = loss_fn(engine.model(**micro_batch))
+        engine.backward(loss)               # divides by grad_accum, applies the fp16 loss scale
+        if engine.is_accumulation_boundary:
+            result = engine.step()          # unscale, overflow check, clip, optimizer + LR step
+
+`loss` is the micro-batch loss normalised so that the mean over grad_accum micro-batches and over
+data-parallel ranks is the global-batch loss (see `global_normalizer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fsdp import apply_fsdp, resolve_dtype
+from rlhf.engine.loss_scale import LossScaler
+from rlhf.engine.optim import build_optimizer, build_scheduler
+from rlhf.config import EngineConfig
+from rlhf.errors import UserError
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def resolve_batch_size(config: EngineConfig, dp_size: int, where: str = "config") -> None:
+    """Fill in grad_accum / train_batch_size and check micro x accum x dp = global (DeepSpeed's rule)."""
+    micro = config.micro_batch_size
+    if micro < 1:
+        raise UserError(f"{where}: micro_batch_size must be >= 1 (got {micro})")
+    if config.train_batch_size is None:
+        config.grad_accum = config.grad_accum or 1
+        config.train_batch_size = micro * config.grad_accum * dp_size
+    elif config.grad_accum is None:
+        if config.train_batch_size % (micro * dp_size):
+            raise UserError(
+                f"{where}: train_batch_size {config.train_batch_size} is not divisible by micro_batch_size "
+                f"{micro} x data-parallel size {dp_size}; change train_batch_size or micro_batch_size"
+            )
+        config.grad_accum = config.train_batch_size // (micro * dp_size)
+    elif config.train_batch_size != micro * config.grad_accum * dp_size:
+        raise UserError(
+            f"{where}: train_batch_size {config.train_batch_size} != micro_batch_size {micro} x grad_accum "
+            f"{config.grad_accum} x data-parallel size {dp_size} = {micro * config.grad_accum * dp_size}; "
+            "make them agree (or leave one of train_batch_size / grad_accum unset)"
+        )
+    if config.grad_accum < 1:
+        raise UserError(f"{where}: grad_accum must be >= 1 (got {config.grad_accum})")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    stepped: bool
+    """False when the step was skipped (fp16 overflow or a non-finite gradient norm)."""
+    grad_norm: float
+    lr: float
+    loss_scale: float | None
+
+
+class TrainEngine:
+    """One model in train mode: FSDP2-wrapped, with AdamW, LR schedule, accumulation, clipping."""
+
+    def __init__(
+        self, model: nn.Module, config: EngineConfig, ctx: DistributedContext, total_steps: int,
+        name: str = "model",
+    ) -> None:
+        resolve_batch_size(config, ctx.world_size)
+        self.config = config
+        self.ctx = ctx
+        self.name = name
+        self.dtype = resolve_dtype(config.dtype, ctx.device)
+        if self.dtype != "fp32" and ctx.device.type == "cpu" and self.dtype == "fp16":
+            log.warning("%s: fp16 on CPU is slow and only meant for testing", name)
+        self.grad_accum: int = config.grad_accum or 1
+        self.model = apply_fsdp(
+            model, ctx, config.zero_stage, self.dtype, config.offload, config.gradient_checkpointing
+        )
+        self.optimizer = build_optimizer(self.model, config, torch.device("cpu") if config.offload else ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, config, total_steps)
+        self.scaler = (
+            LossScaler.from_config(
+                config.loss_scale, config.initial_scale_power, config.loss_scale_window,
+                config.hysteresis, config.min_loss_scale,
+            )
+            if self.dtype == "fp16"
+            else None
+        )
+        self.micro_step = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self._sync_each_micro_step = config.zero_stage == 3
+
+    # ------------------------------------------------------------------ train loop
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """True right after the backward of the last micro-batch of an optimizer step."""
+        return self.micro_step > 0 and self.micro_step % self.grad_accum == 0
+
+    def _set_gradient_sync(self) -> None:
+        # ZeRO-3 reduce-scatters every micro-step (grads stay sharded); ZeRO 0/1/2 accumulate
+        # unsharded grads locally and communicate once per optimizer step.
+        last = (self.micro_step + 1) % self.grad_accum == 0
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(self._sync_each_micro_step or last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
+        self._set_gradient_sync()
+        scaled = loss.float() / self.grad_accum
+        if self.scaler is not None:
+            scaled = scaled * self.scaler.scale
+        scaled.backward()
+        self.micro_step += 1
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self.model.parameters():
+            if p.grad is not None:
+                g = p.grad
+                grads.append(g.to_local() if hasattr(g, "to_local") else g)
+        return grads
+
+    def step(self) -> StepResult:
+        """Optimizer step at an accumulation boundary: unscale, overflow check, clip, step, schedule."""
+        if not self.is_accumulation_boundary:
+            raise RuntimeError("TrainEngine.step() called before the accumulation boundary")
+        lr = self.scheduler.get_last_lr()[0]
+        scale = self.scaler.scale if self.scaler is not None else None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            grads = self._local_grads()
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        overflow = not torch.isfinite(torch.tensor(grad_norm)).item()
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            log.warning("%s: step %d skipped, gradient norm is %s", self.name, self.global_step, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return StepResult(stepped=not overflow, grad_norm=grad_norm, lr=lr, loss_scale=scale)
+
+    # ------------------------------------------------------------------ state
+
+    def sharded_state(self) -> dict[str, Any]:
+        """Model and optimizer state as sharded DTensors, for torch.distributed.checkpoint."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def host_state(self) -> dict[str, Any]:
+        """Small non-tensor state saved per rank: schedule, loss scale, step counters."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "micro_step": self.micro_step,
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.micro_step = state["micro_step"]
+        self.global_step = state["global_step"]
+        self.skipped_steps = state["skipped_steps"]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated (unsharded) model state on CPU; full on rank 0, empty elsewhere."""
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )

@@ -1,0 +1,263 @@
+"""PPO math for RLHF as pure functions over [B, T] tensors with a response mask.
+
+Conventions shared by every function here:
+- Tensors are [B, T] and aligned with the response: position t holds the quantities of response
+  token t (its log-prob under the policy, the critic's value of the state it was generated from,
+  its reward). `mask` is 1 on real response tokens and 0 on padding (left, right or inside).
+- Means are token means over the masked positions of the whole batch (DeepSpeed-Chat's
+  `sum(x * mask) / sum(mask)`, TRL's `masked_mean`); an empty mask gives 0, never NaN.
+- Outputs that are [B, T] are 0 outside the mask, so a stray padding value can never leak
+  into a loss or a statistic.
+- Statistics are computed in float32 whatever the input dtype (bf16 log-probs included).
+
+References: InstructGPT (Ouyang et al. 2022) and Ziegler et al. 2019 for the per-token KL
+penalty and the adaptive KL coefficient; DeepSpeed-Chat (`ppo_trainer.py`) and TRL
+(`ppo_trainer.py`, `core.py`) for the reward placement, GAE and the clipped losses; verl
+(`core_algos.py`) for GAE that skips masked positions; J. Schulman, "Approximating KL
+divergence" (2020) for the k1/k2/k3 estimators.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLKind = Literal["k1", "k2", "k3"]
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over positions where `mask` is 1 (over all of them, or along `dim`).
+
+    Follows TRL's `masked_mean` / DeepSpeed-Chat's `sum(x * mask) / mask.sum()`; an empty mask
+    (or an empty row with `dim`) gives 0 rather than NaN so a loss stays finite.
+    """
+    mask = mask.to(torch.float32)
+    total = (x.to(torch.float32) * mask).sum() if dim is None else (x.to(torch.float32) * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `x` over the masked positions (a scalar), as TRL's `masked_var`.
+
+    With `unbiased` the Bessel correction n / (n - 1) is applied, which needs at least two
+    masked positions; fewer raise ValueError (this reads the count on the host).
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x.to(torch.float32) - mean) ** 2, mask)
+    if unbiased:
+        count = mask.to(torch.float32).sum()
+        if count.item() < 2:
+            raise ValueError(f"unbiased masked_var needs at least 2 masked positions, got {int(count.item())}")
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise `x` to unit variance (and zero mean with `shift_mean`) over the masked positions.
+
+    TRL's `masked_whiten`: advantages are whitened with `shift_mean=True`, rewards (when scaled)
+    with `shift_mean=False` so their sign is kept. Uses the unbiased variance; 0 outside the mask.
+    Statistics are local to this call: whitening across data-parallel ranks needs the caller to
+    all-reduce sums first.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x.to(torch.float32) - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(torch.float32)
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs.
+
+    With log_ratio = log pi(a) - log pi_ref(a) for a ~ pi (Schulman, "Approximating KL"):
+    - "k1": log_ratio - unbiased, can be negative per token; InstructGPT's penalty.
+    - "k2": log_ratio**2 / 2 - biased, low variance, always >= 0.
+    - "k3": exp(-log_ratio) - 1 + log_ratio - unbiased, always >= 0 (GRPO's / verl's low-var KL).
+    """
+    log_ratio = logprobs.to(torch.float32) - ref_logprobs.to(torch.float32)
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index [B] of the last position where `mask` is 1 in each row (any padding side).
+
+    Raises ValueError if a row has no masked position, since there is then nowhere to put its
+    score (this reads one flag on the host).
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    index = torch.where(mask.bool(), positions, -1).amax(dim=-1)
+    if bool((index < 0).any()):
+        raise ValueError(f"{int((index < 0).sum())} row(s) of the mask have no tokens")
+    return index
+
+
+def compute_token_rewards(
+    score: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    kl_kind: KLKind = "k1",
+    reward_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards: -kl_coef * KL on every response token, plus the score on the last one.
+
+    InstructGPT's reward R(x, y) = r(x, y) - beta * log(pi(y|x) / pi_ref(y|x)), spread over
+    tokens as in DeepSpeed-Chat's `compute_rewards` and TRL: each response token gets its KL
+    penalty and the sequence-level `score` [B] (clamped to [-reward_clip, reward_clip] when set,
+    as DeepSpeed-Chat's `clip_reward_value`) is added at the LAST masked token of each row, found
+    from the mask so sequences of different lengths and any padding are handled.
+
+    Returns (rewards [B, T], kl [B, T]), both float32 and 0 outside the mask.
+    """
+    mask_f = mask.to(torch.float32)
+    kl = kl_estimate(logprobs, ref_logprobs, kl_kind) * mask_f
+    rewards = -kl_coef * kl
+    score = score.to(torch.float32)
+    if reward_clip is not None:
+        score = score.clamp(-reward_clip, reward_clip)
+    last = last_token_index(mask)
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1))
+    return rewards, kl
+
+
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the masked tokens.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, run backward
+    as in TRL / DeepSpeed-Chat's `get_advantages_and_returns`. Masked-out positions are skipped
+    the way verl's `compute_gae_advantage_return` skips them: the "next" value and advantage are
+    carried across them, so after the last response token of a row V_{t+1} = A_{t+1} = 0 (no
+    bootstrapping past the end of the response, whatever values the padding holds).
+
+    Returns (advantages, returns = advantages + values), float32, 0 outside the mask. Whitening
+    the advantages is left to the caller (`masked_whiten`).
+    """
+    rewards = rewards.to(torch.float32)
+    values = values.to(torch.float32)
+    mask_f = mask.to(torch.float32)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        m = mask_f[:, t]
+        # On a masked-out position keep the successor's value/advantage unchanged (skip it).
+        next_value = m * values[:, t] + (1.0 - m) * next_value
+        next_advantage = m * advantage + (1.0 - m) * next_advantage
+        advantages[:, t] = advantage
+    advantages = advantages * mask_f
+    returns = (advantages + values) * mask_f
+    return advantages, returns
+
+
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_range: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clipped surrogate loss (Schulman et al. 2017), token mean over the mask.
+
+    loss = mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))), ratio = exp(logp - old_logp),
+    as DeepSpeed-Chat's `actor_loss_fn` and TRL. Also returns, detached: clipfrac (share of tokens
+    where the clipped term is the active one) and approx_kl = mean(0.5 * (logp - old_logp)**2)
+    (TRL's `approxkl`).
+    """
+    log_ratio = logprobs.to(torch.float32) - old_logprobs.to(torch.float32)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.to(torch.float32)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(torch.float32), mask)
+        approx_kl = masked_mean(0.5 * log_ratio.square(), mask)
+    return loss, clipfrac, approx_kl
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss: 0.5 * mean(max((V - R)**2, (V_clipped - R)**2)) over the mask.
+
+    V_clipped = old_V + clip(V - old_V, -eps, eps), as DeepSpeed-Chat's `critic_loss_fn`, TRL
+    and OpenAI baselines' ppo2. Also returns the detached share of tokens where the clipped
+    error is the larger one (clipfrac).
+    """
+    values = values.to(torch.float32)
+    old_values = old_values.to(torch.float32)
+    returns = returns.to(torch.float32)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    error = (values - returns).square()
+    clipped_error = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(error, clipped_error), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped_error > error).to(torch.float32), mask)
+    return loss, clipfrac
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, in float32: [..., V] -> [...].
+
+    H = logsumexp(z) - sum(softmax(z) * z) as TRL's `entropy_from_logits`, but written as
+    -sum(p * log_softmax(z)) with 0 * log 0 taken as 0 so that -inf logits (top-k/top-p masking)
+    give finite entropies instead of NaN.
+    """
+    log_p = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    p = log_p.exp()
+    return -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(dim=-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(returns - values) / Var(returns) over the mask (a scalar), as in OpenAI baselines.
+
+    1 is a perfect critic, 0 no better than a constant, negative worse; NaN when the returns
+    have zero variance (nothing to explain), as baselines' `explained_variance`.
+    """
+    returns = returns.to(torch.float32)
+    var_returns = masked_var(returns, mask, unbiased=False)
+    var_residual = masked_var(returns - values.to(torch.float32), mask, unbiased=False)
+    return torch.where(var_returns > 0, 1.0 - var_residual / var_returns, torch.full_like(var_returns, float("nan")))
+
+
+class FixedKLController:
+    """A constant KL coefficient (`value`); `update` is a no-op so it swaps with the adaptive one."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Keep the coefficient fixed (same signature as AdaptiveKLController.update)."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-tuning LMs from human preferences").
+
+    After each batch, with e = clip(KL / target - 1, -0.2, 0.2):
+    value <- value * (1 + e * n_steps / horizon). The coefficient grows while the policy drifts
+    further than `target` nats from the reference and shrinks while it stays closer.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target} and {horizon}")
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Adjust `value` from the measured mean KL (per sequence) over `n_steps` samples."""
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon

@@ -1,0 +1,324 @@
+"""Typed configuration: dataclasses with a docstring per field, a YAML/JSON file, CLI overrides.
+
+Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--config`
+file < explicit CLI flags. Every section's field names are unique across sections, so each field is
+also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and may appear in a config file either
+flat or under its section (`engine:`, `data:`, `tracking:`). The resolved config is saved beside
+every output as config.yaml.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rlhf.errors import UserError
+
+Dtype = Literal["auto", "fp32", "bf16", "fp16"]
+Scheduler = Literal["constant", "linear", "cosine"]
+OptimizerImpl = Literal["auto", "fused", "torch"]
+
+
+@dataclass
+class EngineConfig:
+    """How a model is trained: sharding, precision, batch arithmetic, optimizer and schedule."""
+
+    zero_stage: int = 3
+    """ZeRO stage: 3 shards params, grads and optimizer state (FSDP2 reshard after forward); 1 and 2 keep params gathered between forward and backward; 0 replicates (DDP-like)."""
+    offload: bool = False
+    """ZeRO-Offload: keep sharded params, grads and optimizer state on CPU and step the optimizer there."""
+    dtype: Dtype = "auto"
+    """Compute precision: bf16 or fp16 (params cast for compute, fp32 master weights and reductions), fp32, or auto (bf16 on a GPU that supports it, else fp32)."""
+    micro_batch_size: int = 4
+    """Samples per rank per forward/backward (DeepSpeed train_micro_batch_size_per_gpu)."""
+    grad_accum: int | None = None
+    """Micro-batches accumulated per optimizer step; derived from train_batch_size when unset, else 1."""
+    train_batch_size: int | None = None
+    """Global batch per optimizer step; must equal micro_batch_size x grad_accum x data-parallel size."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay; never applied to biases and norm weights (1-D params)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    optimizer_impl: OptimizerImpl = "auto"
+    """AdamW implementation: fused (csrc kernels), torch (torch.optim.AdamW), or auto (fused where it is built)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_scheduler: Scheduler = "cosine"
+    """Learning-rate schedule after warmup: constant, linear decay or cosine decay to min_lr_ratio x lr."""
+    warmup_steps: int = 0
+    """Linear warmup steps from warmup_start_ratio x lr to lr (overrides warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the total optimizer steps, used when warmup_steps is 0."""
+    warmup_start_ratio: float = 0.0
+    """Learning rate at the start of warmup, as a fraction of lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of linear/cosine decay, as a fraction of lr."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward to save memory."""
+    loss_scale: float = 0.0
+    """fp16 only: static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling: the initial scale is 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling: steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16 dynamic scaling: overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling: the scale never drops below this."""
+    seed: int = 42
+    """Seed of model init, data order, dropout and sampling."""
+
+
+@dataclass
+class DataConfig:
+    """Where rows come from and how they become token sequences."""
+
+    data: list[str] = field(default_factory=list)
+    """Datasets: local json/jsonl/parquet/csv files, load_from_disk folders, or hub names (repeat the flag for several)."""
+    data_split: str | None = None
+    """Share one dataset between the stages sft,reward,ppo, e.g. 2,4,4; each stage takes its seeded, disjoint part."""
+    eval_split: float = 0.0
+    """Fraction of this stage's rows held out for evaluation (0 disables evaluation)."""
+    max_seq_len: int = 512
+    """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
+    train_on_prompt: bool = False
+    """Include prompt tokens in the SFT loss (by default only response tokens are trained)."""
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment tracking. metrics.jsonl is always written."""
+
+    report_to: str = "wandb"
+    """Comma-separated trackers: wandb, tensorboard, or none. W&B runs offline without credentials or network (WANDB_MODE is respected)."""
+    wandb_project: str = "rlhf"
+    """W&B project."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); default is the logged-in user's."""
+    run_name: str | None = None
+    """Run name; defaults to <stage>-<output folder name>."""
+    wandb_group: str | None = None
+    """W&B group (e2e runs put their three stages in one group)."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+
+
+@dataclass
+class StageConfig:
+    """Fields every stage has."""
+
+    model: str = ""
+    """Starting model: a local Hugging Face folder (e.g. a previous stage's <output>/model) or a hub name."""
+    output: str = ""
+    """Output folder: model/, config.yaml, metrics.jsonl, summary.json, checkpoints/, DONE."""
+    epochs: int = 1
+    """Passes over the training rows (ignored when max_steps > 0 is reached first)."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps; -1 runs the full epochs."""
+    eval_interval: int = 0
+    """Evaluate every this many optimizer steps (0: only at the end)."""
+    save_interval: int = 0
+    """Write a resume checkpoint every this many optimizer steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many resume checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: bool = False
+    """Continue from the latest checkpoint in <output>/checkpoints."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    """Supervised fine-tuning of a causal LM on demonstrations."""
+
+
+SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")
+
+
+# ---------------------------------------------------------------- introspection
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings (the string literal after each field) of a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One leaf field of a config: its section path, name, type and docstring."""
+
+    section: str | None
+    name: str
+    type: Any
+    doc: str
+    default: Any
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    module = inspect.getmodule(cls)
+    return typing.get_type_hints(cls, globalns=vars(module) if module else None)
+
+
+def leaf_fields(cls: type) -> list[FieldInfo]:
+    """All leaf fields of a stage config, sections flattened (names are unique across sections)."""
+    hints = _resolved_hints(cls)
+    out: list[FieldInfo] = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            sub_hints = _resolved_hints(tp)
+            sub_docs = field_docs(tp)
+            for sf in dataclasses.fields(tp):
+                default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()  # type: ignore[misc]
+                out.append(FieldInfo(f.name, sf.name, sub_hints[sf.name], sub_docs.get(sf.name, ""), default))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out.append(FieldInfo(None, f.name, tp, field_docs(cls).get(f.name, ""), default))
+    names = [fi.name for fi in out]
+    duplicates = {n for n in names if names.count(n) > 1}
+    assert not duplicates, f"config field names must be unique across sections: {duplicates}"
+    return out
+
+
+# ---------------------------------------------------------------- values
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a value from YAML/JSON/CLI text to the field type, or raise a UserError naming `where`."""
+    base, optional = _strip_optional(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(f"{where}: a value is required")
+    origin = typing.get_origin(base)
+    try:
+        if origin is Literal:
+            choices = typing.get_args(base)
+            if value not in choices:
+                raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+            return value
+        if origin is list:
+            (item_tp,) = typing.get_args(base)
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [coerce(v, item_tp, where) for v in items]
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if base is float:
+            return float(value)
+        if base is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: expected {getattr(base, '__name__', base)}, got {value!r}") from None
+    return value
+
+
+def set_field(config: Any, info: FieldInfo, value: Any, where: str) -> None:
+    """Set one leaf field, converting its type."""
+    target = getattr(config, info.section) if info.section else config
+    setattr(target, info.name, coerce(value, info.type, where))
+
+
+def apply_mapping(config: Any, mapping: dict[str, Any], source: str) -> None:
+    """Apply a flat or sectioned mapping (from a config file) onto a stage config."""
+    by_name = {fi.name: fi for fi in leaf_fields(type(config))}
+    for key, value in mapping.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                info = by_name.get(sub_key)
+                if info is None or info.section != key:
+                    raise UserError(f"{source}: unknown key '{key}.{sub_key}'; see `rlhf <stage> --help` for the fields")
+                set_field(config, info, sub_value, f"{source}: {key}.{sub_key}")
+            continue
+        info = by_name.get(key.replace("-", "_"))
+        if info is None:
+            raise UserError(f"{source}: unknown key '{key}'; see `rlhf <stage> --help` for the fields")
+        set_field(config, info, value, f"{source}: {key}")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML or JSON config file into a mapping, with one clear error on failure."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of field names to values")
+    return data
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain data (sections nested), for config.yaml and trackers."""
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def load_saved_config(cls: type, path: str | Path) -> Any:
+    """Read a config.yaml written by `save_config` back into `cls`."""
+    config = cls()
+    apply_mapping(config, read_config_file(path), str(path))
+    return config

@@ -1,0 +1,145 @@
+"""Experiment tracking: metrics.jsonl always; W&B (offline without credentials) and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf.config import TrackingConfig
+from rlhf.errors import UserError
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+TRACKERS = ("wandb", "tensorboard", "none")
+
+
+def parse_report_to(report_to: str) -> list[str]:
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    for n in names:
+        if n not in TRACKERS:
+            raise UserError(f"--report-to {report_to!r}: unknown tracker {n!r}; use wandb, tensorboard or none")
+    return [n for n in names if n != "none"]
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE if set; else online when an API key is configured, offline otherwise."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    return "offline"
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsFile:
+    """Appends one JSON object per logged step to metrics.jsonl."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def truncate_after(self, step: int) -> int:
+        """On resume: drop rows logged after `step` (they will be logged again); returns how many."""
+        if not self.path.is_file():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            if line.strip() and json.loads(line).get("step", 0) > step:
+                dropped += 1
+            elif line.strip():
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{k}\n" for k in kept))
+        os.replace(tmp, self.path)
+        return dropped
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+
+
+class Tracker:
+    """One stage's trackers. Only rank 0 writes; other ranks' calls are no-ops."""
+
+    def __init__(
+        self, output: Path, stage: str, config: TrackingConfig, full_config: dict[str, Any], is_main: bool
+    ) -> None:
+        self.stage = stage
+        self.is_main = is_main
+        self.config = config
+        self.metrics = MetricsFile(output / "metrics.jsonl")
+        self._wandb: Any = None
+        self._tb: Any = None
+        if not is_main:
+            return
+        names = parse_report_to(config.report_to)
+        run_name = config.run_name or f"{stage}-{output.resolve().name}"
+        if "wandb" in names:
+            import wandb
+
+            mode = wandb_mode()
+            self._wandb = wandb.init(
+                project=config.wandb_project, entity=config.wandb_entity, name=run_name,
+                group=config.wandb_group, job_type=stage, config=full_config, dir=str(output),
+                mode=mode, reinit="finish_previous",
+            )
+            log.info("W&B run %s (%s mode) in %s", run_name, mode, self._wandb.dir)
+        if "tensorboard" in names:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self._tb = SummaryWriter(log_dir=str(output / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, "stage": self.stage, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self.metrics.write(row)
+        numeric = {f"{self.stage}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """Sample generations etc.: a W&B table (and a JSON line in samples.jsonl)."""
+        if not self.is_main:
+            return
+        with (self.metrics.path.parent / "samples.jsonl").open("a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, "table": name, **dict(zip(columns, r))}) + "\n")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({f"{self.stage}/{name}": wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.is_main and self._wandb is not None:
+            for k, v in values.items():
+                self._wandb.summary[k] = _jsonable(v)
+
+    def finish(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -114,7 +114,7 @@ def cli() -> None:
 
 
 def _register_stages() -> None:
-    from rlhf.config import SFTConfig
+    from rlhf.config import RewardConfig, SFTConfig
 
     @cli.command("sft")
     @config_options(SFTConfig)
@@ -125,6 +125,22 @@ def _register_stages() -> None:
         from rlhf.stages import sft
 
         summary = sft.run(config)
+        _print_summary(summary)
+
+    @cli.command("reward")
+    @config_options(RewardConfig)
+    def reward_command(**kwargs: Any) -> None:
+        """Reward-model training on preference pairs (prompt/chosen/rejected, Human/Assistant dialogs, chat messages).
+
+        The model is --model's backbone plus a value head; it is saved to <output>/model with its
+        tokenizer (load it with rlhf.models.load_value_model). summary.json holds eval_accuracy,
+        chosen_mean, rejected_mean and the training-set score_mean / score_std that PPO uses.
+        """
+        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
+        config = build_config(RewardConfig, kwargs)
+        from rlhf.stages import reward
+
+        summary = reward.run(config)
         _print_summary(summary)
 
     @cli.command("report")

@@ -129,9 +129,9 @@ class StageConfig:
     output: str = ""
     """Output folder: model/, config.yaml, metrics.jsonl, summary.json, checkpoints/, DONE."""
     epochs: int = 1
-    """Passes over the training rows (ignored when max_steps > 0 is reached first)."""
+    """Passes over the training rows (ignored when max_steps > 0)."""
     max_steps: int = -1
-    """Stop after this many optimizer steps; -1 runs the full epochs."""
+    """Train for exactly this many optimizer steps, over as many epochs as needed; -1 runs `epochs` epochs."""
     eval_interval: int = 0
     """Evaluate every this many optimizer steps (0: only at the end)."""
     save_interval: int = 0
@@ -148,6 +148,14 @@ class StageConfig:
 @dataclass
 class SFTConfig(StageConfig):
     """Supervised fine-tuning of a causal LM on demonstrations."""
+
+
+@dataclass
+class RewardConfig(StageConfig):
+    """Reward-model training on preference pairs: a causal LM backbone plus a scalar value head."""
+
+    value_head_init_std: float = 0.0
+    """Initial value-head weights: 0 gives a zero head (every score starts at 0, no preference); > 0 draws them from N(0, std). Ignored when --model is already a reward model."""
 
 
 SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")

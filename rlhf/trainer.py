@@ -55,9 +55,8 @@ def plan_total_steps(num_rows: int, config: StageConfig, world_size: int) -> tup
             f"{num_rows} training rows do not fill one global batch of {plan.global_batch_size} "
             "(micro_batch_size x grad_accum x world size); lower them or add data"
         )
-    total = plan.steps_per_epoch * config.epochs
-    if config.max_steps > 0:
-        total = min(total, config.max_steps) if config.epochs > 0 else config.max_steps
+    # As in the Hugging Face Trainer, max_steps > 0 overrides epochs (and may span several epochs).
+    total = config.max_steps if config.max_steps > 0 else plan.steps_per_epoch * config.epochs
     return plan, total
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from rlhf.engine.checkpoint import Checkpointer
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.export import export_model
+from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.config import SFTConfig, to_dict
@@ -101,6 +102,9 @@ def run(config: SFTConfig) -> dict[str, Any]:
         "eval_rows": len(eval_rows),
         "data": data_stats,
         "skipped_steps": engine.skipped_steps,
+        "world_size": ctx.world_size,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "local_parameters_rank0": local_parameter_count(engine.model),
         **({"eval_loss": result.eval_metrics["loss"], "eval_perplexity": result.eval_metrics["perplexity"]}
            if result.eval_metrics else {}),
     }

@@ -1,8 +1,10 @@
 // Argument checks shared by the torch bindings of the CPU and CUDA fused Adam ops.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
+#include <optional>
 #include <vector>
 
 #include "adam_common.h"
@@ -22,7 +24,7 @@ struct AdamLists {
 
 inline void check_list(const char* op, const std::vector<at::Tensor>& list, size_t n,
                        const char* what, const at::Device& device,
-                       c10::optional<at::ScalarType> dtype, bool may_be_empty) {
+                       std::optional<at::ScalarType> dtype, bool may_be_empty) {
   if (may_be_empty && list.empty()) return;
   TORCH_CHECK(list.size() == n, op, ": ", what, " has ", list.size(), " tensors, expected ", n);
   for (const auto& t : list) {

@@ -97,8 +97,9 @@ __device__ __forceinline__ LseState warp_lse_merge(LseState a) {
 }
 
 // Order-preserving map from float to uint32: a < b (as floats, no NaN) iff key(a) < key(b).
+// -0.0 maps to the key of +0.0 because the two compare equal as floats (they are ties).
 __device__ __forceinline__ uint32_t float_order_key(float x) {
-  const uint32_t bits = __float_as_uint(x);
+  const uint32_t bits = x == 0.f ? 0u : __float_as_uint(x);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

@@ -1,0 +1,198 @@
+"""Rollout generation for any Hugging Face decoder-only model.
+
+    out = generate(model, input_ids, attention_mask, SamplingParams(max_new_tokens=64,
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id), generator=g)
+    out.sequences     [B, P+N]  prompt (left-padded) + generated tokens, pad after EOS
+    out.action_mask   [B, P+N]  True on generated tokens up to and including EOS
+
+The loop is small and static-shaped in the manner of gpt-fast: one KV cache preallocated for
+prompt + max_new_tokens (engine/kv_cache.py), a prefill step over the prompt, then one decode
+step per token that feeds the model a single column and samples from its last logits
+(engine/sampling.py). Inside a decode step nothing reads a device value on the host: finished
+sequences are handled with `torch.where` (they keep emitting pad) and the only host sync is the
+"all finished?" check every `sync_every` steps. Positions follow the left padding exactly as
+`transformers.generate` computes them, so greedy output matches it token for token.
+
+The model stays a plain Hugging Face module called through its own forward, so the same loop
+runs on a tensor-parallel model whose parameters are DTensors. Under tensor parallelism every
+rank of the group must draw the same tokens: pass a generator seeded identically on all ranks.
+This torch loop is the reference that faster paths (CUDA graphs, csrc kernels) must match.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhf.engine.kv_cache import RolloutKVCache
+from rlhf.engine.sampling import SamplingParams, sample_next_token
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+__all__ = ["GenerationOutput", "SamplingParams", "generate", "prefill", "decode_step"]
+
+
+@dataclass
+class GenerationOutput:
+    """A batch of rollouts, all of width prompt_length + max_new_tokens."""
+
+    sequences: torch.Tensor
+    """[B, P+N] int64: the left-padded prompts followed by the generated tokens; pad after EOS."""
+    attention_mask: torch.Tensor
+    """[B, P+N]: the prompt mask followed by action_mask (dtype of the input mask)."""
+    action_mask: torch.Tensor
+    """[B, P+N] bool: True exactly on generated tokens, up to and including each EOS."""
+    prompt_length: int
+    """P, the padded prompt width; generated tokens start at this column."""
+    finished: torch.Tensor
+    """[B] bool: the sequence emitted EOS (False where it ran into max_new_tokens)."""
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] number of generated tokens of each sequence, EOS included."""
+        return self.action_mask.sum(dim=-1)
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _last_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] -> [B, V] of the last position, as a plain (possibly gathered) tensor."""
+    last = logits[:, -1]
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(last, DTensor):  # a TP lm_head that leaves its output sharded
+            last = last.full_tensor()
+    return last
+
+
+def prefill(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: RolloutKVCache,
+) -> torch.Tensor:
+    """Run the prompt through the model, filling the cache; -> [B, V] logits of the last position."""
+    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        **kwargs,
+    )
+    return _last_logits(out.logits)
+
+
+def decode_step(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: RolloutKVCache,
+) -> torch.Tensor:
+    """Feed one new token per sequence ([B, 1]) at `position_ids` ([B, 1]); -> [B, V] next logits.
+
+    `attention_mask` covers every cached token plus this one ([B, cached + 1]).
+    """
+    out = model(
+        input_ids=tokens,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return _last_logits(out.logits)
+
+
+def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"generate() needs input_ids and attention_mask of the same [batch, prompt] shape, "
+            f"got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
+    # One host sync per rollout, before any step: right padding (or an empty prompt) would put
+    # a pad token where generation continues and silently corrupt every rollout.
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError(
+            "generate() needs left-padded prompts (attention_mask[:, -1] must be 1 for every row); "
+            "set tokenizer.padding_side = 'left'"
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> GenerationOutput:
+    """Generate up to `params.max_new_tokens` tokens after each left-padded prompt.
+
+    `generator` (on the model's device) makes sampling reproducible; under tensor parallelism
+    it must be seeded identically on every rank of the group.
+    """
+    _check_prompts(input_ids, attention_mask)
+    if model.training:
+        log.warning("generate() called on a model in training mode: dropout makes rollouts noisy")
+    batch, prompt_len = input_ids.shape
+    max_new = params.max_new_tokens
+    total_len = prompt_len + max_new
+    device = input_ids.device
+
+    # Everything the loop writes is allocated here, once.
+    sequences = torch.full((batch, total_len), params.pad_token_id, dtype=torch.long, device=device)
+    sequences[:, :prompt_len] = input_ids
+    action_mask = torch.zeros((batch, total_len), dtype=torch.bool, device=device)
+    # The mask the model sees: prompt padding, then every generated slot visible (what a finished
+    # row attends to no longer matters, its tokens are forced to pad).
+    model_mask = torch.ones((batch, total_len), dtype=attention_mask.dtype, device=device)
+    model_mask[:, :prompt_len] = attention_mask
+    # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
+    prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
+    eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    cache = RolloutKVCache(model.config, max_cache_len=total_len)
+    logits = prefill(model, input_ids, attention_mask, prompt_positions, cache)
+    steps_run = max_new
+    for step in range(max_new):
+        col = prompt_len + step
+        token = sample_next_token(logits, params, generator)
+        token = torch.where(finished, params.pad_token_id, token)
+        sequences[:, col] = token
+        action_mask[:, col] = ~finished
+        if eos_ids.numel():
+            finished |= torch.isin(token, eos_ids)
+        if step == max_new - 1:
+            break
+        if params.sync_every and (step + 1) % params.sync_every == 0 and bool(finished.all()):
+            steps_run = step + 1
+            break
+        logits = decode_step(
+            model,
+            sequences[:, col : col + 1],
+            model_mask[:, : col + 1],
+            step_positions[:, step : step + 1],
+            cache,
+        )
+    log.debug("generated %d of %d steps for %d sequences", steps_run, max_new, batch)
+
+    out_mask = torch.cat([attention_mask, action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
+    return GenerationOutput(
+        sequences=sequences,
+        attention_mask=out_mask,
+        action_mask=action_mask,
+        prompt_length=prompt_len,
+        finished=finished,
+    )

@@ -1,0 +1,199 @@
+"""`rlhf reward`: train a reward model on preference pairs.
+
+    rlhf reward --model runs/sft/model --data pairs.jsonl --output runs/rm --eval-split 0.1
+    rlhf reward --config rm.yaml --deepspeed-config ds_config.json --nproc-per-node 2
+
+The model is a causal LM's backbone plus a linear value head (`rlhf.models.ValueModel`); a
+sequence's score is the head's value at its last real token. Training minimises the
+Bradley-Terry loss -log sigmoid(score_chosen - score_rejected - margin) over the pairs.
+
+Reads top to bottom: config -> distributed setup -> data -> model + engine -> training loop ->
+held-out evaluation and the score statistics of the training set -> export of <output>/model
+(Hugging Face format, loadable with `rlhf.models.load_value_model`, the PPO critic's starting
+point) -> summary.json -> DONE.
+
+summary.json holds `eval_accuracy`, `chosen_mean`, `rejected_mean` (on the held-out pairs, or on
+the training pairs with `eval_on_train: true` when there is no --eval-split) and `score_mean`,
+`score_std` over every chosen and rejected response of the training set, measured after
+training: PPO normalises rewards with them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf.engine.checkpoint import Checkpointer
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.export import export_model
+from rlhf.engine.fsdp import local_parameter_count
+from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.algorithms.losses import pairwise_reward_loss
+from rlhf.config import RewardConfig, to_dict
+from rlhf.data.batching import collate_pairs
+from rlhf.data.formats import parse_row
+from rlhf.data.sources import eval_holdout, load_rows, stage_share
+from rlhf.data.tokenization import tokenize_pairs
+from rlhf.errors import UserError
+from rlhf.logging import get_logger
+from rlhf.models.loading import load_tokenizer
+from rlhf.models.value_model import MODEL_TYPE_KEY, VALUE_MODEL_TYPE, ValueModel, load_value_model
+from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
+from rlhf.tracking import Tracker
+from rlhf.trainer import evaluate, plan_total_steps, run_training
+
+log = get_logger(__name__)
+
+# The count of pairs dropped because chosen == rejected (tokenize_pairs' name for it), reported
+# in summary.json even when zero.
+EQUAL_PAIRS_KEY = "dropped_chosen_equals_rejected"
+
+
+def reward_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, moments: bool = False
+) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """Pairwise loss SUMMED over the batch's pairs, the pair count, and metric sums.
+
+    `batch` holds the chosen sequences then the rejected ones (`collate_pairs`). The metric sums
+    are `accuracy` (pairs ranked right), `chosen_score` and `rejected_score`, plus `score_sq`
+    (sum of squared scores of both responses) when `moments` is set, for the score std.
+    """
+    # Inputs go to the compute device explicitly: with offload the params live on the CPU.
+    batch = {k: v.to(device) for k, v in batch.items()}
+    scores = model.score(batch["input_ids"], batch["attention_mask"])
+    n = scores.shape[0] // 2
+    chosen, rejected = scores[:n], scores[n:]
+    loss, accuracy = pairwise_reward_loss(chosen, rejected, batch["margin"])
+    sums = {
+        "accuracy": float(accuracy) * n,
+        "chosen_score": float(chosen.detach().sum()),
+        "rejected_score": float(rejected.detach().sum()),
+    }
+    if moments:
+        sums["score_sq"] = float((chosen.detach().double() ** 2 + rejected.detach().double() ** 2).sum())
+    return loss * n, float(n), sums
+
+
+def score_statistics(metrics: dict[str, float]) -> dict[str, float]:
+    """Mean and (population) std of all 2N scores from per-pair means of `reward_loss(moments=True)`."""
+    mean = (metrics["chosen_score"] + metrics["rejected_score"]) / 2.0
+    variance = max(metrics["score_sq"] / 2.0 - mean * mean, 0.0)
+    return {"score_mean": mean, "score_std": math.sqrt(variance)}
+
+
+def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """Tokenized (train, eval) pairs of this stage's share of every --data source, and the counts."""
+    if not config.data.data:
+        raise UserError("--data is required: one or more json/jsonl/parquet/csv files, saved folders or hub names")
+    raw = [row for spec in config.data.data for row in load_rows(spec)]
+    raw = stage_share(raw, config.data.data_split, "reward", config.engine.seed)
+    parsed = [parse_row(r) for r in raw]
+    rows, stats = tokenize_pairs(parsed, tokenizer, config.data.max_seq_len)
+    stats.log("reward data")
+    counts = stats.as_dict()
+    counts.setdefault(EQUAL_PAIRS_KEY, 0)
+    if not rows:
+        raise UserError(
+            f"--data {' '.join(config.data.data)}: no usable preference pairs (see the counts above); rows need "
+            "prompt/chosen/rejected, chosen/rejected dialogs or chat messages, with chosen != rejected"
+        )
+    train, held_out = eval_holdout(rows, config.data.eval_split, config.engine.seed)
+    return train, held_out, counts
+
+
+def load_reward_model(path: str, head_init_std: float) -> ValueModel:
+    """A causal LM folder gets a new value head; a reward/value model folder keeps its own."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"--model {path}: no config.json; pass a Hugging Face model folder (e.g. runs/sft/model)")
+    if json.loads(config_file.read_text()).get(MODEL_TYPE_KEY) == VALUE_MODEL_TYPE:
+        log.info("--model %s is a value model: continuing from its head", path)
+        return load_value_model(path, dtype=torch.float32)
+    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)
+
+
+def run(config: RewardConfig) -> dict[str, Any]:
+    ctx = DistributedContext.initialize()
+    resolve_batch_size(config.engine, ctx.world_size)
+    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
+    ctx.barrier()
+    torch.manual_seed(config.engine.seed)
+
+    tokenizer = load_tokenizer(config.model)
+    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
+    plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size)
+    log.info("reward: %d train pairs, %d eval pairs, %d optimizer steps of %d pairs",
+             len(train_rows), len(eval_rows), total_steps, plan.global_batch_size)
+
+    model = load_reward_model(config.model, config.value_head_init_std)
+    engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward")
+    if ctx.is_main:
+        write_config(output, config)
+    tracker = Tracker(output, "reward", config.tracking, to_dict(config), ctx.is_main)
+    checkpointer = Checkpointer(output / "checkpoints", ctx, config.keep_checkpoints)
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate_pairs(rows, tokenizer.pad_token_id)
+
+    loss_fn = partial(reward_loss, device=ctx.device)
+
+    def eval_fn() -> dict[str, float]:
+        return evaluate(engine, eval_rows, collate, loss_fn)
+
+    result = run_training(
+        "reward", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
+        loss_fn, eval_fn if eval_rows else None,
+    )
+
+    # One pass over the training pairs after training: the score statistics PPO normalises
+    # rewards with, and the evaluation metrics too when no pairs were held out.
+    train_pass = evaluate(engine, train_rows, collate, partial(reward_loss, device=ctx.device, moments=True))
+    stats = score_statistics(train_pass)
+    eval_on_train = not eval_rows
+    final = train_pass if eval_on_train else result.eval_metrics
+    if eval_on_train:
+        log.info("reward: no --eval-split, so the eval metrics are measured on the training pairs")
+    evaluation = {
+        "eval_on_train": eval_on_train,
+        "eval_loss": final["loss"],
+        "eval_accuracy": final["accuracy"],
+        "chosen_mean": final["chosen_score"],
+        "rejected_mean": final["rejected_score"],
+        **stats,
+    }
+    tracker.log({k: float(v) for k, v in evaluation.items()}, step=engine.global_step)
+    log.info("reward: eval accuracy %.4f, chosen %.4f, rejected %.4f; training scores mean %.4f std %.4f",
+             evaluation["eval_accuracy"], evaluation["chosen_mean"], evaluation["rejected_mean"],
+             stats["score_mean"], stats["score_std"])
+
+    export_model(engine, output / "model", tokenizer)
+
+    summary = {
+        "stage": "reward",
+        "steps": result.global_step,
+        "train_loss": result.last_metrics.get("loss"),
+        "train_accuracy": result.last_metrics.get("accuracy"),
+        "train_seconds": result.train_seconds,
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        **evaluation,
+        "data": data_stats,
+        EQUAL_PAIRS_KEY: data_stats[EQUAL_PAIRS_KEY],
+        "skipped_steps": engine.skipped_steps,
+        "world_size": ctx.world_size,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "local_parameters_rank0": local_parameter_count(engine.model),
+    }
+    if ctx.is_main:
+        write_summary(output, summary)
+        tracker.summary(summary)
+        mark_done(output)
+    tracker.finish()
+    ctx.barrier()
+    return summary

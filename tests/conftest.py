@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny models saved to temp folders, small generated datasets, CLI runners."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def addition_rows(n: int, seed: int = 0) -> list[dict]:
+    """prompt/response rows: small sums (learnable by a tiny model in a few steps)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        rows.append({"prompt": f"{a}+{b}=", "response": str(a + b)})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny saved model per family (lazily built)."""
+    from rlhf.models.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+
+    class Lazy(dict):
+        def __missing__(self, family: str) -> Path:
+            path = save_tiny_model(root / family, family, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+            self[family] = path
+            return path
+
+    return Lazy()
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "sft.jsonl", addition_rows(64))
+
+
+def run_cli(args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `rlhf ARGS` in a subprocess (under torchrun when nproc > 1)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "rlhf", *args]
+    else:
+        cmd = [sys.executable, "-m", "rlhf", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(output: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(output) if "loss" in row]

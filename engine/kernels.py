@@ -1,0 +1,319 @@
+"""Generation kernels behind plain functions: decode attention, sampling, selective log-softmax.
+
+Each public function takes the CUDA op from csrc/generation/ when it is built and the inputs
+are CUDA tensors it supports, and otherwise runs its PyTorch reference (`*_reference`), which
+defines the semantics every fast path must match (tests/test_generation_kernels.py checks the
+parity on a GPU). Neither path synchronises with the host.
+
+- `decode_attention`: one query token per sequence over a static KV cache [B, Hkv, S, D] with
+  grouped-query attention and per-sequence valid lengths or a key padding mask (left-padded
+  prompts); the CUDA op is flash-decoding (split-K over the sequence plus a merge kernel).
+- `sample_tokens`: temperature, then top-k, then top-p (Hugging Face's warper order), then one
+  inverse-CDF draw per row from a uniform number generated on the device.
+- `fused_selective_log_softmax_forward`: the CUDA forward used by
+  `rlhf.engine.logprobs.selective_log_softmax` (log-prob of chosen tokens, fp32, one pass).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from rlhf.engine.ops import OpSpec, load_op, register_op
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+DECODE_ATTENTION_OP = OpSpec(
+    "rlhf_decode_attention",
+    sources=("generation/decode_attention.cpp", "generation/decode_attention.cu"),
+    needs_cuda=True,
+)
+SAMPLING_OP = OpSpec(
+    "rlhf_sampling",
+    sources=("generation/sampling.cpp", "generation/sampling.cu"),
+    needs_cuda=True,
+)
+SELECTIVE_LOG_SOFTMAX_OP = OpSpec(
+    "rlhf_selective_log_softmax",
+    sources=("generation/selective_log_softmax.cpp", "generation/selective_log_softmax.cu"),
+    needs_cuda=True,
+)
+for _spec in (DECODE_ATTENTION_OP, SAMPLING_OP, SELECTIVE_LOG_SOFTMAX_OP):
+    register_op(_spec)
+
+DECODE_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
+"""Head dimensions the CUDA decode attention is compiled for; others take the reference."""
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _cuda_op(spec: OpSpec, *tensors: torch.Tensor) -> ModuleType | None:
+    """The built op when every tensor is on CUDA (building it on first use), else None."""
+    if not all(t.is_cuda for t in tensors):
+        return None
+    return load_op(spec.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_lengths(lengths: torch.Tensor, batch: int) -> None:
+    if lengths.dim() != 1 or lengths.shape[0] != batch or lengths.is_floating_point() or lengths.is_complex():
+        raise ValueError(
+            f"decode_attention: lengths must be an integer tensor of shape [batch={batch}], "
+            f"got {lengths.dtype} {tuple(lengths.shape)}"
+        )
+
+
+def _key_mask(lengths_or_mask: torch.Tensor, batch: int, cache_len: int) -> torch.Tensor:
+    """[B, S'] bool: which cache positions each sequence attends to (S' <= cache_len)."""
+    if lengths_or_mask.dtype == torch.bool:
+        if lengths_or_mask.dim() != 2 or lengths_or_mask.shape[0] != batch or lengths_or_mask.shape[1] > cache_len:
+            raise ValueError(
+                f"decode_attention: a key mask must be [batch={batch}, <= cache_len={cache_len}], "
+                f"got {tuple(lengths_or_mask.shape)}"
+            )
+        return lengths_or_mask
+    _check_lengths(lengths_or_mask, batch)
+    positions = torch.arange(cache_len, device=lengths_or_mask.device)
+    return positions[None, :] < lengths_or_mask[:, None]
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths_or_mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over a KV cache, in fp32.
+
+    q: [B, H, D] or [B, H, 1, D]. k_cache, v_cache: [B, Hkv, S, D] with H a multiple of Hkv;
+    query head h reads KV head h // (H // Hkv), as Hugging Face's `repeat_kv` does.
+    lengths_or_mask: integer [B] (sequence b attends to positions < lengths[b]) or bool
+    [B, S'] with S' <= S (attends to positions < S' where True; left padding is False).
+    scale: softmax scale, default 1 / sqrt(D). Returns q's shape and dtype. Masked positions
+    are never read (a stale or NaN cache slot cannot leak in); a sequence with no attended
+    position gets zeros.
+    """
+    squeeze = q.dim() == 4
+    q3 = q.squeeze(2) if squeeze else q
+    batch, heads, head_dim = q3.shape
+    kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
+    if heads % kv_heads != 0:
+        raise ValueError(f"decode_attention: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
+    scale = head_dim**-0.5 if scale is None else scale
+    valid = _key_mask(lengths_or_mask, batch, cache_len)
+    used = valid.shape[1]
+    keys = k_cache[:, :, :used].float()
+    values = v_cache[:, :, :used].float().masked_fill(~valid[:, None, :, None], 0.0)
+    grouped_q = q3.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("bkgd,bksd->bkgs", grouped_q, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid.any(dim=-1)[:, None, None, None], probs, 0.0)
+    out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(batch, heads, head_dim).to(q.dtype)
+    return out.unsqueeze(2) if squeeze else out
+
+
+def _decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when the CUDA op accepts these tensors, else why not."""
+    if q.dtype not in _HALF_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtype {q.dtype}/{k_cache.dtype}/{v_cache.dtype} (float16 or bfloat16 only)"
+    if q.shape[-1] not in DECODE_ATTENTION_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (supported: {DECODE_ATTENTION_HEAD_DIMS})"
+    if q.shape[0] > 65535:
+        return f"batch {q.shape[0]} > 65535"
+    for t in (k_cache, v_cache):
+        # 16-byte vector loads of K rows need aligned row starts.
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+            return "KV cache rows not contiguous and 16-byte aligned"
+    if q.stride(-1) != 1:
+        return "q head dimension not contiguous"
+    return None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths_or_mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`decode_attention_reference` semantics; the CUDA flash-decoding op when available."""
+    if q.dim() not in (3, 4) or (q.dim() == 4 and q.shape[2] != 1):
+        raise ValueError(f"decode_attention: q must be [B, H, D] or [B, H, 1, D], got {tuple(q.shape)}")
+    op = _cuda_op(DECODE_ATTENTION_OP, q, k_cache, v_cache, lengths_or_mask)
+    if op is not None:
+        reason = _decode_attention_supported(q, k_cache, v_cache)
+        if reason is not None:
+            _warn_once(f"decode_attention:{reason}", f"decode_attention: CUDA op skipped ({reason}); using the PyTorch reference")
+            op = None
+    if op is None:
+        return decode_attention_reference(q, k_cache, v_cache, lengths_or_mask, scale)
+    squeeze = q.dim() == 4
+    q3 = q.squeeze(2) if squeeze else q
+    scale = q3.shape[-1] ** -0.5 if scale is None else scale
+    batch, cache_len = q3.shape[0], k_cache.shape[2]
+    if lengths_or_mask.dtype == torch.bool:
+        mask = _key_mask(lengths_or_mask, batch, cache_len)
+        out = op.decode_attention(q3, k_cache, v_cache, None, mask, mask.shape[1], float(scale))
+    else:
+        _check_lengths(lengths_or_mask, batch)
+        out = op.decode_attention(q3, k_cache, v_cache, lengths_or_mask, None, cache_len, float(scale))
+    return out.unsqueeze(2) if squeeze else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_sampling_args(logits: torch.Tensor, top_k: int, top_p: float) -> None:
+    if logits.dim() != 2 or logits.shape[-1] < 1:
+        raise ValueError(f"sample_tokens: logits must be [batch, vocab], got {tuple(logits.shape)}")
+    if top_k < 0:
+        raise ValueError(f"sample_tokens: top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"sample_tokens: top_p must be in [0, 1], got {top_p}")
+
+
+def filter_logits_reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, top-k, top-p over [B, V] logits -> fp32 scores with removed tokens at -inf.
+
+    x = logits / temperature (temperature > 0). Top-k keeps x >= the k-th largest x (ties at
+    the threshold are kept, as in `TopKLogitsWarper`); 0 or >= V disables it. Top-p then keeps
+    x whose mass strictly above it, sum of e^(y - max) over survivors y > x, is below top_p
+    times the survivors' total; the maximum always survives; 1 disables it. Without ties this
+    is exactly `TopPLogitsWarper`; with ties at the boundary the whole tie group is kept rather
+    than a sort-order-dependent part of it, so a kernel can reproduce it without sorting.
+    """
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        row_max = scores.max(dim=-1, keepdim=True).values
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_mass = torch.exp(sorted_scores - row_max)
+        inclusive = sorted_mass.cumsum(dim=-1)
+        exclusive = torch.nn.functional.pad(inclusive[..., :-1], (1, 0))
+        # Mass strictly above an element = exclusive sum at the first element of its tie group.
+        descending_as_ascending = -sorted_scores
+        first_of_group = torch.searchsorted(descending_as_ascending, descending_as_ascending, right=False)
+        above = exclusive.gather(-1, first_of_group)
+        keep = (above < top_p * inclusive[..., -1:]) | (above == 0)
+        threshold = torch.where(keep, sorted_scores, float("inf")).min(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    return scores
+
+
+def sample_tokens_reference(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    uniform: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row of [B, V] logits -> [B] int64, without host synchronisation.
+
+    temperature <= 0 is greedy: the first index of the maximum raw logit (`torch.argmax`).
+    Otherwise `filter_logits_reference`, then with masses m_i = e^(x_i - max) (0 if removed)
+    and u the row's uniform number in [0, 1): the first index i (vocabulary order) with
+    m_0 + ... + m_i > u * sum(m); if rounding leaves none, the last index with m_i > 0.
+    `uniform` [B] float32 is drawn with `generator` when not given.
+    """
+    _check_sampling_args(logits, top_k, top_p)
+    if not temperature > 0:
+        return torch.argmax(logits, dim=-1)
+    if uniform is None:
+        uniform = torch.rand(logits.shape[0], device=logits.device, dtype=torch.float32, generator=generator)
+    scores = filter_logits_reference(logits, temperature, top_k, top_p)
+    mass = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+    cdf = mass.cumsum(dim=-1)
+    target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    vocab = logits.shape[-1]
+    last_positive = (vocab - 1) - torch.argmax((mass > 0).flip(-1).to(torch.uint8), dim=-1)
+    return torch.where(token < vocab, token, last_positive)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`sample_tokens_reference` semantics; the fused CUDA kernel when available.
+
+    Randomness comes from `uniform` [B] (float32, on the logits' device) or, when None, from
+    `torch.rand(..., generator=generator)` on the device, so no step waits for the host and
+    a seeded generator reproduces a rollout on either path.
+    """
+    _check_sampling_args(logits, top_k, top_p)
+    if temperature > 0 and uniform is None:
+        uniform = torch.rand(logits.shape[0], device=logits.device, dtype=torch.float32, generator=generator)
+    op = _cuda_op(SAMPLING_OP, logits)
+    if op is None or logits.stride(-1) != 1 or logits.shape[-1] >= 2**31:
+        return sample_tokens_reference(logits, temperature, top_k, top_p, uniform=uniform)
+    if uniform is None:  # greedy: the kernel never reads it
+        uniform = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    return op.sample_tokens(logits, uniform.float(), float(temperature), int(top_k), float(top_p))
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective log-softmax (forward only; rlhf.engine.logprobs owns the autograd function)
+# ---------------------------------------------------------------------------------------------
+
+
+def fused_selective_log_softmax_forward(
+    logits: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log p(index) [B, T], logsumexp [B, T]) in fp32 from the CUDA op, or None without it.
+
+    logits [B, T, V] may be any strided view with a contiguous last dimension (such as
+    logits[:, :-1]); index [B, T] integer.
+    """
+    op = _cuda_op(SELECTIVE_LOG_SOFTMAX_OP, logits, index)
+    if op is None or logits.dim() != 3 or logits.stride(-1) != 1 or logits.shape[-1] >= 2**31:
+        return None
+    if logits.dtype not in (*_HALF_DTYPES, torch.float32):
+        return None
+    logp, lse = op.selective_log_softmax_forward(logits, index)
+    return logp, lse
+
+
+def decode_attention_flops_and_bytes(
+    batch: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
+) -> tuple[float, float]:
+    """FLOPs and minimum HBM bytes of one decode attention call (for benchmark reports)."""
+    flops = 4.0 * batch * heads * context * head_dim
+    bytes_moved = element_bytes * (2.0 * batch * kv_heads * context * head_dim + 2.0 * batch * heads * head_dim)
+    return flops, bytes_moved
+
+
+__all__ = [
+    "DECODE_ATTENTION_HEAD_DIMS",
+    "decode_attention",
+    "decode_attention_flops_and_bytes",
+    "decode_attention_reference",
+    "filter_logits_reference",
+    "fused_selective_log_softmax_forward",
+    "sample_tokens",
+    "sample_tokens_reference",
+]

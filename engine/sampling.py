@@ -84,18 +84,28 @@ def process_logits(
     return scores
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row from softmax(logits), without a host sync.
+def sample_from_logits(
+    logits: torch.Tensor, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One draw per row from softmax(logits) by inverse CDF, without a host sync.
 
-    Uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
-    p_i. Unlike `torch.multinomial` it never synchronises with the host on CUDA (as in
-    gpt-fast). Rows of [..., vocab] -> ids of shape [...].
+    With masses m_i = exp(x_i - max x) (0 for removed tokens) and one uniform u in [0, 1) per
+    row, the token is the first index i whose running sum m_0 + ... + m_i exceeds u * sum(m);
+    if rounding leaves none, the last index with m_i > 0. A token of zero mass can never be
+    picked. `uniform` [B] is drawn with `generator` on the logits' device when not given; this
+    is the contract of the fused sampling kernel (engine/kernels.py), so both paths draw the
+    same tokens from the same uniforms. Rows of [B, vocab] -> [B] int64.
     """
-    probs = torch.softmax(logits.float(), dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    # An exact 0 draw would turn a removed token's 0/0 into NaN, which argmax prefers.
-    race.clamp_(min=torch.finfo(race.dtype).tiny)
-    return torch.argmax(probs / race, dim=-1)
+    scores = logits.float()
+    if uniform is None:
+        uniform = torch.rand(scores.shape[0], device=scores.device, dtype=torch.float32, generator=generator)
+    mass = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+    cdf = mass.cumsum(dim=-1)
+    target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    vocab = scores.shape[-1]
+    last_positive = (vocab - 1) - torch.argmax((mass > 0).flip(-1).to(torch.uint8), dim=-1)
+    return torch.where(token < vocab, token, last_positive)
 
 
 def sample_next_token(

@@ -25,6 +25,11 @@ DEFAULT_CHUNK_BYTES = 128 * 2**20
 """fp32 working set per chunk when no chunk size is given: rows = this // (4 * vocab)."""
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every floating dtype except fp64, which stays fp64 (for gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
@@ -78,10 +83,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             logp, lse = fused
         else:
             flat_index = index.reshape(-1, 1)
-            logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+            compute = _compute_dtype(logits.dtype)
+            logp = torch.empty(batch * time, dtype=compute, device=logits.device)
             lse = torch.empty_like(logp)
             for chunk, r0, r1 in _row_chunks(logits, rows):
-                x = chunk.float()
+                x = chunk.to(compute)
                 chunk_lse = torch.logsumexp(x, dim=-1)
                 lse[r0:r1] = chunk_lse
                 logp[r0:r1] = x.gather(-1, flat_index[r0:r1]).squeeze(-1) - chunk_lse
@@ -97,12 +103,13 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         batch, time, vocab = logits.shape
         grad = torch.empty((batch, time, vocab), dtype=logits.dtype, device=logits.device)
         grad_flat = grad.view(batch * time, vocab)
-        go = grad_logp.reshape(-1, 1).float()
+        compute = _compute_dtype(logits.dtype)
+        go = grad_logp.reshape(-1, 1).to(compute)
         flat_index = index.reshape(-1, 1)
         flat_lse = lse.reshape(-1, 1)
         for chunk, r0, r1 in _row_chunks(logits, ctx.rows):
             # d logp / d x = onehot(index) - softmax(x); copy=True so fp32 logits stay untouched.
-            g = chunk.to(torch.float32, copy=True)
+            g = chunk.to(compute, copy=True)
             g.sub_(flat_lse[r0:r1]).exp_().mul_(-go[r0:r1])
             g.scatter_add_(1, flat_index[r0:r1], go[r0:r1])
             grad_flat[r0:r1].copy_(g)
@@ -112,7 +119,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """log_softmax(logits, -1).gather(-1, index[..., None])[..., 0] in fp32, memory-lean.
+    """log_softmax(logits, -1).gather(-1, index[..., None])[..., 0] in fp32 (fp64 for fp64 logits).
 
     logits [..., V] in float32/bfloat16/float16 (strided views such as logits[:, :-1] are read
     in place); index [...] integer ids in [0, V). chunk_size is rows per chunk (default: about
@@ -147,10 +154,11 @@ class _ChunkedEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, rows: int) -> torch.Tensor:
         batch, time, _ = logits.shape
-        entropy = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+        compute = _compute_dtype(logits.dtype)
+        entropy = torch.empty(batch * time, dtype=compute, device=logits.device)
         lse = torch.empty_like(entropy)
         for chunk, r0, r1 in _row_chunks(logits, rows):
-            x = chunk.float()
+            x = chunk.to(compute)
             chunk_lse = torch.logsumexp(x, dim=-1, keepdim=True)
             p = torch.exp(x - chunk_lse)
             # -inf logits have p = 0; 0 * -inf would be NaN, their true contribution is 0.
@@ -168,10 +176,10 @@ class _ChunkedEntropy(torch.autograd.Function):
         batch, time, vocab = logits.shape
         grad = torch.empty((batch, time, vocab), dtype=logits.dtype, device=logits.device)
         grad_flat = grad.view(batch * time, vocab)
-        go = grad_entropy.reshape(-1, 1).float()
+        go = grad_entropy.reshape(-1, 1).to(lse.dtype)
         lse, mean_x = lse[:, None], (lse - entropy)[:, None]
         for chunk, r0, r1 in _row_chunks(logits, ctx.rows):
-            x = chunk.float()
+            x = chunk.to(lse.dtype)
             p = torch.exp(x - lse[r0:r1])
             g = torch.where(p > 0, p * (x - mean_x[r0:r1]), 0.0).mul_(-go[r0:r1])
             grad_flat[r0:r1].copy_(g)

@@ -23,10 +23,7 @@ from rlhf.engine.ops import load_op
 BIG = 1_000_007  # 1M + 7: many chunks plus a ragged vector tail
 MIXED = [1, 7, 1023, 65_536 + 3]  # the last one crosses a CPU chunk boundary
 STATE_TOL = dict(rtol=1e-5, atol=1e-6)
-gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def cpu_op():
@@ -216,7 +213,11 @@ def test_bf16_rounding_is_bit_exact_with_torch_on_every_isa() -> None:
         op.adam_step([p], [zeros[0]], [zeros[1]], [zeros[2]], [], [lp], lr=0.0, beta1=0.9, beta2=0.999,
                      eps=1e-8, weight_decay=0.0, step=1, adam_w_mode=True, isa=isa)
         assert torch.equal(p.view(torch.int32), w.view(torch.int32)), isa
-        assert torch.equal(lp.view(torch.int16), w.bfloat16().view(torch.int16)), isa
+        want = w.bfloat16()
+        # NaN payloads differ between torch's own scalar and vector casts; any NaN will do.
+        assert torch.equal(lp.isnan(), want.isnan()), isa
+        finite = ~want.isnan()
+        assert torch.equal(lp[finite].view(torch.int16), want[finite].view(torch.int16)), isa
 
 
 # ------------------------------------------------------------------ state dicts and fallbacks
@@ -271,7 +272,7 @@ def test_resumes_from_torch_adamw_state() -> None:
         torch.testing.assert_close(p, q, **STATE_TOL)
 
 
-def test_non_contiguous_param_takes_reference_path_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_non_contiguous_param_takes_reference_path_with_one_warning() -> None:
     cpu_op()
     base = torch.randn(5, 4)
     ref_params = [base.clone().t().requires_grad_(), torch.randn(9).requires_grad_()]
@@ -280,12 +281,18 @@ def test_non_contiguous_param_takes_reference_path_with_one_warning(caplog: pyte
     ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=False)
     ours = FusedAdamW(our_params, lr=1e-2)
     gen = torch.Generator().manual_seed(10)
-    with caplog.at_level(logging.WARNING, logger="rlhf"):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
+    logging.getLogger("rlhf").addHandler(handler)
+    try:
         for _ in range(3):
             set_grads([ref_params, our_params], gen)
             ref.step()
             ours.step()
-    assert sum("non-contiguous" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        logging.getLogger("rlhf").removeHandler(handler)
+    assert sum("non-contiguous" in r.getMessage() for r in records) == 1
     for p, q in zip(our_params, ref_params):
         torch.testing.assert_close(p, q, **STATE_TOL)
 
@@ -314,20 +321,13 @@ def test_argument_checks() -> None:
 # ------------------------------------------------------------------ CUDA
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype,master_weights", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("adam_w_mode", [True, False])
-@pytest.mark.parametrize("pytestmark_gpu", [None], ids=[""])
-def test_cuda_matches_reference(dtype, master_weights, adam_w_mode, pytestmark_gpu) -> None:
-    _cuda_parity(dtype, master_weights, adam_w_mode)
-
-
-for _mark in gpu:
-    test_cuda_matches_reference = _mark(test_cuda_matches_reference)
-
-
-def _cuda_parity(dtype: torch.dtype, master_weights: bool, adam_w_mode: bool) -> None:
-    if load_op(CUDA_OP) is None:
-        pytest.fail("fused_adam_cuda did not build on a CUDA machine")
+def test_cuda_matches_reference(dtype: torch.dtype, master_weights: bool, adam_w_mode: bool) -> None:
+    """The CUDA op against the torch reference path on the same GPU, bf16 copy included."""
+    assert load_op(CUDA_OP) is not None, "fused_adam_cuda did not build on a CUDA machine"
     sizes = MIXED + [BIG] + [3] * 40  # > 36 tensors: several launches
     ours_p = leaves(sizes, dtype=dtype, device="cuda")
     ref_p = twins(ours_p)
@@ -347,7 +347,7 @@ def _cuda_parity(dtype: torch.dtype, master_weights: bool, adam_w_mode: bool) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_unaligned_views_and_many_chunks() -> None:
     """FSDP shards are views at odd offsets (scalar path); one tensor spans > 320 chunks (relaunch)."""
     op = load_op(CUDA_OP)

@@ -1,0 +1,217 @@
+"""Rollout mode: the actor's FSDP2 training shards -> tensor-parallel inference placements.
+
+    with rollout_mode(actor_engine, tp_size=2) as rollout:
+        out = rollout.generate(prompt_ids, prompt_mask, sampling)   # KV cache allocated last
+    # back in train mode: inference copies and cache freed, training params untouched
+
+The transition is an explicit sequence, memory logged at each step:
+  1. build an inference skeleton of the actor on the meta device and materialise it in the compute
+     dtype; apply the model family's tensor-parallel plan (HF `base_model_tp_plan`: attention and
+     MLP projections colwise/rowwise) over the TP sub-mesh;
+  2. fill it from the training shards param by param with DTensor redistribution: when the TP group
+     spans the FSDP group and the dim divides evenly, each rank receives only the slices it needs
+     (colwise: none, rowwise: an all-to-all); otherwise the param is gathered and sliced;
+  3. generation allocates its KV cache (the last allocation);
+  4. a parity check compares train-mode and rollout-mode log-probs of a few generated tokens and
+     raises past a tolerance;
+  5. on exit the inference copies and cache are dropped; the training params were only read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import AutoModelForCausalLM
+
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fsdp import COMPUTE_DTYPES
+from rlhf.engine.generation import GenerationOutput, generate
+from rlhf.engine.logprobs import logprobs_from_logits
+from rlhf.engine.sampling import SamplingParams
+from rlhf.engine.train_engine import TrainEngine
+from rlhf.errors import UserError
+from rlhf.logging import get_logger
+
+log = get_logger(__name__)
+
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+class RolloutParityError(RuntimeError):
+    """Rollout-mode log-probs disagree with train mode beyond the tolerance: a resharding bug."""
+
+
+def memory_snapshot(device: torch.device) -> str:
+    """Allocated/reserved GPU memory, or this process's resident memory on CPU."""
+    if device.type == "cuda":
+        return (f"allocated={torch.cuda.memory_allocated(device) / 2**30:.2f}GiB "
+                f"reserved={torch.cuda.memory_reserved(device) / 2**30:.2f}GiB")
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+        return f"rss={pages * os.sysconf('SC_PAGE_SIZE') / 2**30:.2f}GiB"
+    except OSError:
+        return "rss=?"
+
+
+def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, nn.Module]:
+    """FQN -> ParallelStyle for every decoder-layer projection named in the family's TP plan."""
+    config = model.config
+    plan_spec = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan_spec:
+        raise UserError(
+            f"inference_tp_size={tp_size}: the {config.model_type} family has no tensor-parallel plan; "
+            "use --inference-tp-size 1"
+        )
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, attr, None)
+        if value is not None and value % tp_size:
+            raise UserError(f"inference_tp_size={tp_size} must divide the model's {attr} ({value})")
+    prefix = model.base_model_prefix
+    plan: dict[str, nn.Module] = {}
+    module_names = {name for name, _ in model.named_modules()}
+    for pattern, style in plan_spec.items():
+        if style not in _STYLES:
+            continue  # e.g. embedding/norm styles: those stay replicated
+        for i in range(config.num_hidden_layers):
+            fqn = f"{prefix}.{pattern.replace('*', str(i))}"
+            if fqn in module_names:
+                plan[fqn] = _STYLES[style]()
+    return plan
+
+
+def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp_size: int, dtype: torch.dtype) -> nn.Module:
+    """An empty copy of the actor in the compute dtype on this rank's device, TP-parallelised."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(train_model.config, dtype=dtype)
+    model.to_empty(device=ctx.device)
+    # Non-persistent buffers (rotary inv_freq, ...) are not in any checkpoint: take them from train mode.
+    train_buffers = dict(train_model.named_buffers())
+    for name, buf in model.named_buffers():
+        if name in train_buffers:
+            buf.copy_(train_buffers[name].to(buf.dtype) if buf.is_floating_point() else train_buffers[name])
+    if tp_size > 1:
+        parallelize_module(model, ctx.tp_mesh(tp_size)["tp"], tensor_parallel_plan(model, tp_size))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _local_target(src: torch.Tensor, dst: torch.Tensor, ctx: DistributedContext, tp_size: int) -> torch.Tensor:
+    """This rank's part of training param `src` in the placement of inference param `dst`."""
+    if not isinstance(src, DTensor):
+        return src
+    if not isinstance(dst, DTensor):
+        return src.full_tensor()
+    target = dst.placements[0]
+    mesh = dst.device_mesh
+    same_group = tp_size == ctx.world_size and src.device_mesh.ndim == 1
+    if same_group and src.placements == (Shard(0),) and src.shape[0] % ctx.world_size == 0:
+        # FSDP2's dim-0 shards over the world are exactly Shard(0) over the TP group: redistribute
+        # moves only what the target placement needs (nothing for colwise, an all-to-all for rowwise).
+        as_tp = DTensor.from_local(src.to_local(), mesh, [Shard(0)], run_check=False, shape=src.shape, stride=src.stride())
+        return as_tp.redistribute(mesh, [target]).to_local()
+    full = src.full_tensor()
+    if isinstance(target, Replicate):
+        return full
+    assert isinstance(target, Shard)
+    return torch.chunk(full, tp_size, dim=target.dim)[mesh.get_local_rank()]
+
+
+@torch.no_grad()
+def load_rollout_weights(inference: nn.Module, train_model: nn.Module, ctx: DistributedContext, tp_size: int) -> int:
+    """Copy (and cast) every training param into the inference model; returns bytes received locally."""
+    train_params = dict(train_model.named_parameters())
+    moved = 0
+    for name, dst in inference.named_parameters():
+        src = train_params[name]
+        local = _local_target(src.data if not isinstance(src, DTensor) else src, dst, ctx, tp_size)
+        dst_local = dst.to_local() if isinstance(dst, DTensor) else dst
+        dst_local.copy_(local)
+        moved += dst_local.numel() * dst_local.element_size()
+    return moved
+
+
+def sequence_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each token given its prefix ([B, T-1], position t scores token t+1)."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
+    return logprobs_from_logits(logits, sequences)
+
+
+@dataclass
+class Rollout:
+    """The actor in rollout mode: generate with it; the first generation is parity-checked."""
+
+    model: nn.Module
+    engine: TrainEngine
+    tolerance: float
+    parity_sequences: int = 2
+    parity_max_diff: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        out = generate(self.model, input_ids, attention_mask, params, generator)
+        log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
+        if self.parity_max_diff is None:
+            self.check_parity(out)
+        return out
+
+    @torch.no_grad()
+    def check_parity(self, out: GenerationOutput) -> float:
+        """Max |log-prob difference| between train and rollout mode over a few generated tokens."""
+        n = min(self.parity_sequences, out.sequences.shape[0])
+        seqs, mask = out.sequences[:n], out.attention_mask[:n]
+        actions = out.action_mask[:n, 1:]
+        train_lp = sequence_logprobs(self.engine.model, seqs, mask)
+        rollout_lp = sequence_logprobs(self.model, seqs, mask)
+        diff = (train_lp.float() - rollout_lp.float()).abs()
+        max_diff = float(diff[actions].max()) if actions.any() else 0.0
+        max_diff = float(self.engine.ctx.all_reduce_max(torch.tensor(max_diff)))
+        self.parity_max_diff = max_diff
+        self.metrics["rollout_parity_max_diff"] = max_diff
+        if not max_diff <= self.tolerance:
+            raise RolloutParityError(
+                f"rollout-mode log-probs differ from train mode by {max_diff:.3g} (> tolerance {self.tolerance}); "
+                "the resharded weights are wrong"
+            )
+        return max_diff
+
+
+def default_parity_tolerance(dtype: str) -> float:
+    """Max log-prob difference tolerated between modes: tight in fp32, loose in 16-bit."""
+    return 1e-3 if dtype == "fp32" else 0.15
+
+
+@contextlib.contextmanager
+def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None = None) -> Iterator[Rollout]:
+    """Switch `engine`'s model to tensor-parallel inference for the duration of the block."""
+    ctx = engine.ctx
+    dtype = COMPUTE_DTYPES[engine.dtype]
+    was_training = engine.model.training
+    log.info("rollout mode: enter (train mode: %s)", memory_snapshot(ctx.device))
+    engine.model.eval()
+    inference = build_inference_skeleton(engine.model, ctx, tp_size, dtype)
+    moved = load_rollout_weights(inference, engine.model, ctx, tp_size)
+    log.info("rollout mode: tp=%d weights loaded (%.1f MiB local, %s)", tp_size, moved / 2**20, memory_snapshot(ctx.device))
+    rollout = Rollout(inference, engine, tolerance if tolerance is not None else default_parity_tolerance(engine.dtype))
+    rollout.metrics["rollout_weights_mib"] = moved / 2**20
+    try:
+        yield rollout
+    finally:
+        rollout.model = None  # type: ignore[assignment]
+        del inference
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if was_training:
+            engine.model.train()
+        log.info("rollout mode: exit, back in train mode (%s)", memory_snapshot(ctx.device))

@@ -1,0 +1,201 @@
+"""Rollout generation throughput: rlhf.engine.generation.generate vs Hugging Face `generate`.
+
+Both run the same model on the same prompts with the same sampling (temperature 1, no top-k
+or top-p by default) and both generate exactly --new tokens per sequence (ours without an
+EOS id, HF with min_new_tokens), so they do identical model work. Each is timed end to end
+and with one new token (= the prefill), which separates prefill time from time per decode
+step. The achieved bandwidth of a decode step counts the bytes a step must read: every
+weight except the input embedding table (only B rows of it are read) plus the keys and values
+of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
+
+    python scripts/bench_generation.py                  # CPU: tiny Llama (4 layers, hidden 256,
+                                                        # char vocab), B=32, P=64, N=64
+    python scripts/bench_generation.py --threads 2 --batch 8 --new 128
+    python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --peak-gbs 3350
+
+The last line of output is one JSON object (ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf,
+the per-phase timings, bandwidth figures and the shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlhf.engine.generation import SamplingParams, generate
+from rlhf.models.tiny import build_char_tokenizer, tiny_config
+
+PRESETS: dict[str, dict[str, int]] = {
+    # The default CPU shape: small enough that per-step overheads are visible.
+    "tiny": dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=512, vocab=0),
+    # A ~1.1B Llama (TinyLlama-1.1B's shape) for the bandwidth-bound GPU case at batch 1.
+    "1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape; flags below override it")
+    p.add_argument("--family", default="llama", help="llama, qwen2, mistral, opt or gpt2")
+    p.add_argument("--hidden", type=int, help="hidden size")
+    p.add_argument("--layers", type=int, help="decoder layers")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
+    p.add_argument("--ffn", type=int, help="MLP intermediate size")
+    p.add_argument("--vocab", type=int, help="vocabulary size (0: the ~100-id char tokenizer)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
+    p.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--peak-gbs", type=float, help="the device's peak memory bandwidth in GB/s")
+    p.add_argument("--no-hf", action="store_true", help="time only ours")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    shape = dict(PRESETS[args.preset])
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    vocab = shape["vocab"] or len(build_char_tokenizer())
+    config = tiny_config(
+        args.family, vocab_size=vocab, hidden_size=shape["hidden"], num_layers=shape["layers"],
+        num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], intermediate_size=shape["ffn"],
+        max_positions=max(512, args.prompt + args.new),
+    )
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # initialise in place: a 1B model is slow to build on CPU and move
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def decode_bytes(model: PreTrainedModel, batch: int, prompt: int, new: int) -> int:
+    """Bytes the new - 1 decode steps must read: weights (not the input embedding) + cached K/V."""
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embedding)
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * embedding.element_size() * batch
+    # Decode step s attends to the prompt, the s tokens before it and itself.
+    kv = sum(per_token * (prompt + s + 1) for s in range(new - 1))
+    return weights * (new - 1) + kv
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median wall-clock seconds of fn() after warm-up."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(run: Callable[[int], torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Total time for --new tokens, prefill time (one token) and per-decode-step time."""
+    out = run(args.new)
+    if out.shape != (args.batch, args.prompt + args.new):
+        raise RuntimeError(f"expected {args.new} new tokens per sequence, got output of shape {tuple(out.shape)}")
+    total = timed(lambda: run(args.new), device, args.warmup, args.repeats)
+    prefill = timed(lambda: run(1), device, args.warmup, args.repeats)
+    step = (total - prefill) / max(args.new - 1, 1)
+    return {"total_s": total, "prefill_s": prefill, "step_s": step, "tokens_per_s": args.batch * args.new / total}
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build_model(args, device, dtype)
+    vocab = model.config.vocab_size
+    pad = 0
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    input_ids = torch.randint(4, vocab, (args.batch, args.prompt), generator=gen, device=device)
+    attention_mask = torch.ones_like(input_ids)
+
+    def ours(new: int) -> torch.Tensor:
+        params = SamplingParams(
+            max_new_tokens=new, pad_token_id=pad, eos_token_id=None, do_sample=True,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        )
+        return generate(model, input_ids, attention_mask, params, generator=gen).sequences
+
+    def hf(new: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                pad_token_id=pad,
+            )
+
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: {args.family} {n_params / 1e6:.1f}M params {dtype} on {device}; batch {args.batch}, "
+        f"prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}"
+    )
+    results = {"ours": measure(ours, args, device)}
+    if not args.no_hf:
+        results["hf"] = measure(hf, args, device)
+    step_bytes = decode_bytes(model, args.batch, args.prompt, args.new)
+    for name, r in results.items():
+        r["decode_gbs"] = step_bytes / (r["step_s"] * max(args.new - 1, 1)) / 1e9 if r["step_s"] > 0 else 0.0
+        peak = f" ({100 * r['decode_gbs'] / args.peak_gbs:.1f}% of {args.peak_gbs:g})" if args.peak_gbs else ""
+        print(
+            f"{name:>4}: {r['tokens_per_s']:9.1f} tokens/s  total {r['total_s'] * 1e3:8.1f} ms  "
+            f"prefill {r['prefill_s'] * 1e3:7.1f} ms  decode {r['step_s'] * 1e3:6.2f} ms/step  "
+            f"{r['decode_gbs']:7.1f} GB/s{peak}"
+        )
+    ours_r, hf_r = results["ours"], results.get("hf")
+    ratio = ours_r["tokens_per_s"] / hf_r["tokens_per_s"] if hf_r else None
+    decode_ratio = hf_r["step_s"] / ours_r["step_s"] if hf_r and ours_r["step_s"] > 0 else None
+    if hf_r:
+        print(f"ours / HF: {ratio:.2f}x end to end, {decode_ratio:.2f}x per decode step")
+    summary = {
+        "bench": "generation",
+        "ours_tokens_per_s": round(ours_r["tokens_per_s"], 2),
+        "hf_tokens_per_s": round(hf_r["tokens_per_s"], 2) if hf_r else None,
+        "ratio_vs_hf": round(ratio, 3) if ratio else None,
+        "decode_step_ratio_vs_hf": round(decode_ratio, 3) if decode_ratio else None,
+        "ours_prefill_ms": round(ours_r["prefill_s"] * 1e3, 3),
+        "hf_prefill_ms": round(hf_r["prefill_s"] * 1e3, 3) if hf_r else None,
+        "ours_decode_ms_per_step": round(ours_r["step_s"] * 1e3, 4),
+        "hf_decode_ms_per_step": round(hf_r["step_s"] * 1e3, 4) if hf_r else None,
+        "ours_decode_gbs": round(ours_r["decode_gbs"], 2),
+        "hf_decode_gbs": round(hf_r["decode_gbs"], 2) if hf_r else None,
+        "peak_gbs": args.peak_gbs,
+        "ours_fraction_of_peak": round(ours_r["decode_gbs"] / args.peak_gbs, 4) if args.peak_gbs else None,
+        "preset": args.preset, "family": args.family, "params": n_params, "vocab": vocab,
+        "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -114,7 +114,7 @@ def cli() -> None:
 
 
 def _register_stages() -> None:
-    from rlhf.config import RewardConfig, SFTConfig
+    from rlhf.config import PPOConfig, RewardConfig, SFTConfig
 
     @cli.command("sft")
     @config_options(SFTConfig)
@@ -141,6 +141,22 @@ def _register_stages() -> None:
         from rlhf.stages import reward
 
         summary = reward.run(config)
+        _print_summary(summary)
+
+    @cli.command("ppo")
+    @config_options(PPOConfig)
+    def ppo_command(**kwargs: Any) -> None:
+        """PPO: rollouts in rollout mode, KL-penalised rewards, GAE, clipped policy and value updates.
+
+        The actor (--actor) trains against the frozen reward model (--reward) or a built-in task's
+        checker (--reward-fn); the critic starts from --critic (default: the reward model) and the
+        KL reference is --ref (default: the actor). Writes <output>/model (actor) and <output>/critic.
+        """
+        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
+        config = build_config(PPOConfig, kwargs)
+        from rlhf.stages import ppo
+
+        summary = ppo.run(config)
         _print_summary(summary)
 
     @cli.command("report")

@@ -121,11 +121,9 @@ class TrackingConfig:
 
 
 @dataclass
-class StageConfig:
+class RunConfig:
     """Fields every stage has."""
 
-    model: str = ""
-    """Starting model: a local Hugging Face folder (e.g. a previous stage's <output>/model) or a hub name."""
     output: str = ""
     """Output folder: model/, config.yaml, metrics.jsonl, summary.json, checkpoints/, DONE."""
     epochs: int = 1
@@ -146,6 +144,14 @@ class StageConfig:
 
 
 @dataclass
+class StageConfig(RunConfig):
+    """A stage that starts from one model (sft, reward)."""
+
+    model: str = ""
+    """Starting model: a local Hugging Face folder (e.g. a previous stage's <output>/model) or a hub name."""
+
+
+@dataclass
 class SFTConfig(StageConfig):
     """Supervised fine-tuning of a causal LM on demonstrations."""
 
@@ -156,6 +162,95 @@ class RewardConfig(StageConfig):
 
     value_head_init_std: float = 0.0
     """Initial value-head weights: 0 gives a zero head (every score starts at 0, no preference); > 0 draws them from N(0, std). Ignored when --model is already a reward model."""
+
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class PPOConfig(RunConfig):
+    """PPO on prompts with a frozen reference and reward model and a trained critic.
+
+    Defaults follow InstructGPT / DeepSpeed-Chat / TRL practice; each field says which.
+    `max_steps` and `epochs` count PPO iterations and passes over the prompts.
+    """
+
+    actor: str = ""
+    """The policy to train: usually the SFT stage's <output>/model."""
+    reward: str = ""
+    """The reward model (the reward stage's <output>/model); frozen. Not needed with --reward-fn."""
+    critic: str | None = None
+    """The critic's starting point: a value model or causal LM folder; defaults to --reward (DeepSpeed-Chat)."""
+    ref: str | None = None
+    """The frozen reference policy for the KL penalty; defaults to --actor."""
+    reward_fn: str | None = None
+    """Use a built-in task's ground-truth checker as the reward instead of a reward model (verifiable rewards)."""
+    actor_zero_stage: int | None = None
+    """ZeRO stage of the actor; defaults to --zero-stage."""
+    critic_zero_stage: int | None = None
+    """ZeRO stage of the critic; defaults to --zero-stage."""
+    critic_lr: float | None = None
+    """Critic learning rate (separate optimizer); defaults to --lr."""
+    inference_tp_size: int = 1
+    """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
+    rollout_parity_tolerance: float | None = None
+    """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.15 bf16/fp16)."""
+    max_prompt_len: int = 256
+    """Prompts longer than this many tokens are dropped and counted."""
+    max_new_tokens: int = 128
+    """Response tokens generated per prompt."""
+    generation_batch_size: int = 8
+    """Rollout samples per rank per PPO iteration (the experience batch; a TP group generates tp times this)."""
+    ppo_epochs: int = 1
+    """Passes over each iteration's experience (TRL: 4; DeepSpeed-Chat: 1)."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_k: int = 0
+    """Top-k sampling of rollouts (0: off)."""
+    top_p: float = 1.0
+    """Top-p (nucleus) sampling of rollouts (1: off)."""
+    greedy: bool = False
+    """Greedy rollouts (for debugging and tests; PPO needs sampling to explore)."""
+    offload_ref: bool = False
+    """Keep the frozen reference model's shards on CPU."""
+    offload_reward: bool = False
+    """Keep the frozen reward model's shards on CPU."""
+    kl_coef: float = 0.05
+    """Initial KL penalty coefficient beta (TRL 0.05; InstructGPT 0.02; DeepSpeed-Chat 0.1)."""
+    kl_estimator: KLEstimator = "k1"
+    """Per-token KL estimate in the reward: k1 = log p - log q (InstructGPT), k3 = unbiased, always >= 0 (Schulman)."""
+    adaptive_kl: bool = False
+    """Adapt kl_coef towards kl_target (Ziegler et al. 2019)."""
+    kl_target: float = 6.0
+    """Adaptive KL target, summed over a response (TRL default)."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon in samples (TRL default)."""
+    gamma: float = 1.0
+    """GAE discount (DeepSpeed-Chat, TRL)."""
+    lam: float = 0.95
+    """GAE lambda (DeepSpeed-Chat, TRL)."""
+    clip_range: float = 0.2
+    """PPO policy ratio clip (Schulman et al.; all three)."""
+    clip_range_value: float = 0.2
+    """Value clip around the rollout values (DeepSpeed-Chat, TRL)."""
+    reward_clip: float = 5.0
+    """Clip the (normalised) score to [-c, c] (DeepSpeed-Chat clip_reward_value)."""
+    normalize_reward: bool = True
+    """Normalise scores with the reward stage's score_mean/score_std (from its summary.json)."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of responses that end without EOS (TRL's missing_eos_penalty; 0: off)."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the global experience batch (all three)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient in the policy loss (0: off, as in InstructGPT)."""
+    ptx_data: list[str] = field(default_factory=list)
+    """Pretraining/SFT data mixed into the actor loss (InstructGPT's PPO-ptx); needs ptx_coef > 0."""
+    ptx_coef: float = 0.0
+    """Weight of the PTX language-modelling loss (InstructGPT used 27.8 on their scale; DeepSpeed-Chat 1.0)."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the actor (DeepSpeed-Chat 0.992), saved to model_ema/; 0: off."""
+    sample_log_interval: int = 10
+    """Log a table of sample prompts/responses/scores every this many iterations."""
 
 
 SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")

@@ -148,57 +148,68 @@ def test_entropy_hand_computed_and_masked_vocab() -> None:
 
 
 _MEMORY_PROBE = r"""
-import json, resource, sys
+import json, sys
 import torch
 from rlhf.engine.logprobs import selective_log_softmax
 
-def maxrss_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
 
-mode, rows, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def reset_peak():
+    # Linux >= 4.0: "5" resets VmHWM (peak RSS) to the current RSS. Unlike getrusage's maxrss,
+    # VmHWM does not inherit the parent's peak across fork + exec.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+mode, rows, vocab, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
-# uniform_ in place: no temporary larger than the tensor itself raises the baseline.
 logits = torch.empty(1, rows, vocab, dtype=torch.bfloat16).uniform_(-4, 4).requires_grad_(True)
 index = torch.randint(0, vocab, (1, rows))
 warm = torch.zeros(1, 4, 8, requires_grad=True)  # first-call allocations (thread pools, autograd)
 selective_log_softmax(warm, torch.zeros(1, 4, dtype=torch.long)).sum().backward()
 torch.log_softmax(warm.float(), -1).sum().backward()
 
-base = maxrss_bytes()
+base = reset_peak()
 if mode == "chunked":
-    out = selective_log_softmax(logits, index, chunk_size=64)
+    out = selective_log_softmax(logits, index, chunk_size=chunk)
 else:
     out = torch.log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-forward = maxrss_bytes() - base  # the graph (and what it saved) is still alive here
+forward = status_bytes("VmHWM") - base  # the graph (and what it saved) is still alive here
 out.sum().backward()
-backward = maxrss_bytes() - base
+backward = status_bytes("VmHWM") - base
 print(json.dumps({"forward": forward, "backward": backward}))
 """
 
 
-def _peak_memory(mode: str, rows: int, vocab: int) -> dict[str, int]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
+def _peak_memory(mode: str, rows: int, vocab: int, chunk: int) -> dict[str, int]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_PROBE, mode, str(rows), str(vocab)],
+        [sys.executable, "-c", _MEMORY_PROBE, mode, str(rows), str(vocab), str(chunk)],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
 def test_peak_memory_chunked_vs_naive() -> None:
     """Peak resident memory of forward (graph alive) and backward, measured in fresh processes."""
-    rows, vocab = 2048, 32000
+    rows, vocab, chunk = 2048, 32000, 16
     fp32_bytes = rows * vocab * 4  # 262 MB: one fp32 copy of the logits
-    chunked = _peak_memory("chunked", rows, vocab)
-    naive = _peak_memory("naive", rows, vocab)
+    chunk_bytes = chunk * vocab * 4  # 2 MB: one fp32 chunk temporary
+    chunked = _peak_memory("chunked", rows, vocab, chunk)
+    naive = _peak_memory("naive", rows, vocab, chunk)
     # Naive: the fp32 upcast and the saved fp32 log-softmax are both whole-tensor sized.
     assert naive["forward"] > 1.5 * fp32_bytes, naive
-    # Chunked: 64 rows x 32000 x 4 B = 8 MB per fp32 temporary; allow a few of them.
-    assert chunked["forward"] < 0.15 * fp32_bytes, chunked
-    # Backward must produce a bf16 gradient (fp32_bytes / 2); nothing else of that size.
-    assert chunked["backward"] < 0.5 * fp32_bytes + 0.15 * fp32_bytes, chunked
-    assert naive["backward"] > 2 * chunked["backward"], (naive, chunked)
+    # Chunked: a few chunk temporaries plus the [rows] outputs; allocator slack is generous here.
+    assert chunked["forward"] < 8 * chunk_bytes + 4 * 2**20, chunked
+    # Backward must produce the bf16 gradient (fp32_bytes / 2); nothing else of that size.
+    assert chunked["backward"] < 0.5 * fp32_bytes + 8 * chunk_bytes + 4 * 2**20, chunked
+    assert naive["backward"] > 2.5 * chunked["backward"], (naive, chunked)
 
 
 @pytest.mark.gpu

@@ -147,6 +147,12 @@ def generate(
     batch, prompt_len = input_ids.shape
     max_new = params.max_new_tokens
     total_len = prompt_len + max_new
+    max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_positions is not None and total_len > max_positions:
+        log.warning(
+            "prompt width %d + max_new_tokens %d exceeds the model's max_position_embeddings %d",
+            prompt_len, max_new, max_positions,
+        )
     device = input_ids.device
 
     # Everything the loop writes is allocated here, once.
@@ -173,7 +179,8 @@ def generate(
         sequences[:, col] = token
         action_mask[:, col] = ~finished
         if eos_ids.numel():
-            finished |= torch.isin(token, eos_ids)
+            # A broadcast compare rather than torch.isin, whose large-set path sorts.
+            finished |= (token[:, None] == eos_ids).any(dim=-1)
         if step == max_new - 1:
             break
         if params.sync_every and (step + 1) % params.sync_every == 0 and bool(finished.all()):

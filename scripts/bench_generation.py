@@ -1,8 +1,8 @@
 """Rollout generation throughput: rlhf.engine.generation.generate vs Hugging Face `generate`.
 
 Both run the same model on the same prompts with the same sampling (temperature 1, no top-k
-or top-p by default) and both generate exactly --new tokens per sequence (ours without an
-EOS id, HF with min_new_tokens), so they do identical model work. Each is timed end to end
+or top-p by default) and both generate exactly --new tokens per sequence (neither has a stop
+id), so they do identical model work. Each is timed end to end
 and with one new token (= the prefill), which separates prefill time from time per decode
 step. The achieved bandwidth of a decode step counts the bytes a step must read: every
 weight except the input embedding table (only B rows of it are read) plus the keys and values
@@ -56,7 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU"
+    )
     p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
@@ -145,12 +147,14 @@ def main() -> None:
         )
         return generate(model, input_ids, attention_mask, params, generator=gen).sequences
 
+    # No stop id on either side (eos_token_id=None overrides the model's), so both always
+    # generate exactly `new` tokens and HF pays for no min-length logits processor.
     def hf(new: int) -> torch.Tensor:
         with torch.no_grad():
             return model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new,
                 do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                pad_token_id=pad,
+                pad_token_id=pad, eos_token_id=None,
             )
 
     n_params = sum(p.numel() for p in model.parameters())

@@ -69,9 +69,10 @@ def reward_loss(
     scores = model.score(batch["input_ids"], batch["attention_mask"])
     n = scores.shape[0] // 2
     chosen, rejected = scores[:n], scores[n:]
-    loss, accuracy = pairwise_reward_loss(chosen, rejected, batch["margin"])
+    loss, _ = pairwise_reward_loss(chosen, rejected, batch["margin"])
     sums = {
-        "accuracy": float(accuracy) * n,
+        # Counted, not mean x n: a float32 mean times n is not an integer (0.97499999 for 39 of 40).
+        "accuracy": float((chosen > rejected).sum()),
         "chosen_score": float(chosen.detach().sum()),
         "rejected_score": float(rejected.detach().sum()),
     }
@@ -167,7 +168,9 @@ def run(config: RewardConfig) -> dict[str, Any]:
         "rejected_mean": final["rejected_score"],
         **stats,
     }
-    tracker.log({k: float(v) for k, v in evaluation.items()}, step=engine.global_step)
+    # run_training has logged the held-out eval_* metrics already; add what only this pass measured.
+    logged = {**stats, **({f"eval_{k}": v for k, v in train_pass.items() if k != "score_sq"} if eval_on_train else {})}
+    tracker.log(logged, step=engine.global_step)
     log.info("reward: eval accuracy %.4f, chosen %.4f, rejected %.4f; training scores mean %.4f std %.4f",
              evaluation["eval_accuracy"], evaluation["chosen_mean"], evaluation["rejected_mean"],
              stats["score_mean"], stats["score_std"])

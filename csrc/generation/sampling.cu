@@ -16,8 +16,6 @@
 
 #include <climits>
 
-#include <cub/block/block_scan.cuh>
-
 #include "common.cuh"
 #include "generation.h"
 
@@ -29,14 +27,14 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;
 
 struct SampleShared {
-  typename cub::BlockScan<float, kThreads>::TempStorage scan;
+  float scan_totals[kWarps];
   unsigned int count_hist[kBins];
   float mass_hist[kBins];
   float reduce[kWarps];
   int reduce_index[kWarps];
   uint32_t prefix;
   unsigned int remaining;
-  float tile_total;
+  float above;
   int found;
   int last_positive;
 };
@@ -205,11 +203,11 @@ __device__ uint32_t top_p_threshold(const ScaledRow<T>& x, int vocab, float row_
         chosen = lowest;
         cum = above_lowest;
       }
-      sh.tile_total = cum;  // reused as the broadcast slot for "above"
+      sh.above = cum;
       sh.prefix = prefix | (static_cast<uint32_t>(chosen) << shift);
     }
     __syncthreads();
-    above = sh.tile_total;
+    above = sh.above;
     prefix = sh.prefix;
     prefix_mask |= 0xffu << shift;
   }
@@ -258,17 +256,17 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplingP
       const float v = x(i);
       if (float_order_key(v) >= keep_key) mass = expf(v - row_max);
     }
-    float inclusive;
-    cub::BlockScan<float, kThreads>(sh.scan).InclusiveSum(mass, inclusive);
+    float tile_total;
+    const float inclusive = block_inclusive_sum(mass, sh.scan_totals, &tile_total);
     if (mass > 0.f) {
       if (carry + inclusive > target) atomicMin(&sh.found, i);
       atomicMax(&sh.last_positive, i);
     }
-    if (threadIdx.x == kThreads - 1) sh.tile_total = inclusive;
     __syncthreads();
+    // The next tile's atomics come after the barriers inside block_inclusive_sum, so every
+    // thread has read `found` by then.
     const bool done = sh.found != INT_MAX;
-    carry += sh.tile_total;
-    __syncthreads();  // everyone has read found / tile_total before the next tile writes them
+    carry += tile_total;
     if (done) break;
   }
   if (threadIdx.x == 0) {

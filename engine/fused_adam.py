@@ -79,6 +79,41 @@ def adam_reference_step(
     exp_avg_sqs: list[Tensor],
     masters: list[Tensor],
     lp_out: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+) -> None:
+    """The kernels' math with torch ops, in place; same arguments and effects as the ops' `adam_step`.
+
+    Increments each step counter, then updates fp32 working copies (the masters when given, else
+    the params widened to fp32), like the kernels, so bf16 params step identically on both paths.
+    """
+    if not params:
+        return
+    torch._foreach_add_(steps, 1.0)
+    by_step: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        by_step.setdefault(int(s.item()), []).append(i)
+    for step, idx in by_step.items():
+        pick = lambda xs: [xs[i] for i in idx] if xs else []  # noqa: E731
+        _reference_update(
+            pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(masters), pick(lp_out),
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, adam_w_mode=adam_w_mode,
+        )
+
+
+def _reference_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    masters: list[Tensor],
+    lp_out: list[Tensor],
     *,
     lr: float,
     beta1: float,
@@ -88,13 +123,6 @@ def adam_reference_step(
     step: int,
     adam_w_mode: bool,
 ) -> None:
-    """The kernels' math with torch ops, in place: same arguments as the ops' `adam_step`.
-
-    Works on fp32 copies of low-precision params (or on `masters` when given), like the kernels,
-    so that bf16 params with fp32 state step identically on both paths.
-    """
-    if not params:
-        return
     work = masters if masters else [p if p.dtype == torch.float32 else p.float() for p in params]
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if weight_decay != 0.0 and not adam_w_mode:
@@ -119,7 +147,7 @@ def adam_reference_step(
 
 @dataclass
 class _Bucket:
-    """Local tensors of one group that step in one call (same device, dtype, step, extras)."""
+    """Local tensors of one group that step in one call (same device, dtype and extras)."""
 
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
@@ -127,11 +155,13 @@ class _Bucket:
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
     masters: list[Tensor] = field(default_factory=list)
     lp_out: list[Tensor] = field(default_factory=list)
+    steps: list[Tensor] = field(default_factory=list)
 
 
 def _local(t: Tensor) -> Tensor:
-    # Under no_grad, to_local() is the local shard itself: no op dispatch, no copy.
-    return t.to_local() if isinstance(t, DTensor) else t
+    # The local shard itself. DTensor.to_local() on an nn.Parameter returns a fresh view per call
+    # (one op dispatch per param per step), hence the attribute.
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -182,6 +212,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self.implementation: Implementation = implementation
         self._low_precision: dict[Tensor, Tensor] = {}
         self._reference_reasons: set[str] = set()
+        self._ops: dict[str, ModuleType | None] = {}
 
     # ---------------------------------------------------------------- public helpers
 
@@ -213,36 +244,31 @@ class FusedAdamW(torch.optim.Optimizer):
         entries = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
         if not entries:
             return
+        buckets: dict[tuple[Any, ...], _Bucket] = {}
         for p, state in entries:
             if not state:
                 self._init_state(p, state)
-        steps = [state["step"] for _, state in entries]
-        torch._foreach_add_(steps, 1.0)
-
-        buckets: dict[tuple[Any, ...], _Bucket] = {}
-        for p, state in entries:
             grad = p.grad
             if grad.is_sparse:
                 raise RuntimeError("FusedAdamW does not support sparse gradients")
             if isinstance(p, DTensor) and grad.placements != p.placements:
                 grad = grad.redistribute(p.device_mesh, p.placements)
             local_p = _local(p)
-            if local_p.numel() == 0:  # an FSDP rank may own no elements of a small param
-                continue
             local_g = _local(grad)
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             master = state.get("master_param")
+            local_master = _local(master) if master is not None else None
             lp = self._low_precision_target(p, local_p)
-            tensors = [local_p, local_g, _local(state["exp_avg"]), _local(state["exp_avg_sq"])]
-            tensors += [_local(master)] if master is not None else []
-            fused = self._use_op(local_p, local_g, tensors)
-            key = (local_p.device, local_p.dtype, int(state["step"].item()), master is not None, lp is not None, fused)
+            fused = self._use_op(local_p, local_g, (local_p, local_g, exp_avg, exp_avg_sq, local_master))
+            key = (local_p.device, local_p.dtype, master is not None, lp is not None, fused)
             bucket = buckets.setdefault(key, _Bucket())
             bucket.params.append(local_p)
             bucket.grads.append(local_g)
-            bucket.exp_avgs.append(tensors[2])
-            bucket.exp_avg_sqs.append(tensors[3])
-            if master is not None:
-                bucket.masters.append(tensors[4])
+            bucket.exp_avgs.append(exp_avg)
+            bucket.exp_avg_sqs.append(exp_avg_sq)
+            bucket.steps.append(state["step"])  # an FSDP rank with an empty shard still counts it
+            if local_master is not None:
+                bucket.masters.append(local_master)
             if lp is not None:
                 bucket.lp_out.append(lp)
 
@@ -255,14 +281,12 @@ class FusedAdamW(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=bool(group["adam_w_mode"]),
         )
-        for (device, _, step, _, _, fused), b in buckets.items():
-            lists = (b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.masters, b.lp_out)
+        for (device, _, _, _, fused), b in buckets.items():
+            lists = (b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.masters, b.lp_out, b.steps)
             if fused:
-                op = _op_for(device)
-                assert op is not None
-                op.adam_step(*lists, step=step, **hyper)
+                self._ops[device.type].adam_step(*lists, **hyper)
             else:
-                adam_reference_step(*lists, step=step, **hyper)
+                adam_reference_step(*lists, **hyper)
 
     # ---------------------------------------------------------------- internals
 
@@ -284,16 +308,19 @@ class FusedAdamW(torch.optim.Optimizer):
             self._low_precision[p] = lp
         return lp
 
-    def _use_op(self, local_p: Tensor, local_g: Tensor, tensors: list[Tensor]) -> bool:
+    def _use_op(self, local_p: Tensor, local_g: Tensor, tensors: tuple[Tensor | None, ...]) -> bool:
         """Whether this param can take the fused op; otherwise say why once and use the reference."""
         if self.implementation == "reference":
             return False
+        kind = local_p.device.type
+        if kind not in self._ops:
+            self._ops[kind] = _op_for(local_p.device)
         reason = None
-        if _op_for(local_p.device) is None:
-            reason = f"no fused Adam op for {local_p.device.type}"
+        if self._ops[kind] is None:
+            reason = f"no fused Adam op for {kind}"
         elif local_p.dtype not in _KERNEL_DTYPES or local_g.dtype != local_p.dtype:
             reason = f"param/grad dtypes {local_p.dtype}/{local_g.dtype} (kernels take fp32 or bf16, grad = param dtype)"
-        elif not all(t.is_contiguous() for t in tensors):
+        elif not all(t is None or t.is_contiguous() for t in tensors):
             reason = "non-contiguous param, grad or state"
         if reason is None:
             return True

@@ -5,9 +5,9 @@
     out.sequences     [B, P+N]  prompt (left-padded) + generated tokens, pad after EOS
     out.action_mask   [B, P+N]  True on generated tokens up to and including EOS
 
-The loop is small and static-shaped in the manner of gpt-fast: one KV cache preallocated for
-prompt + max_new_tokens (engine/kv_cache.py), a prefill step over the prompt, then one decode
-step per token that feeds the model a single column and samples from its last logits
+The loop is small in the manner of gpt-fast: every buffer, the KV cache included, is allocated
+once for prompt + max_new_tokens (engine/kv_cache.py), then a prefill step runs the prompt and
+one decode step per token feeds the model a single column and samples from its last logits
 (engine/sampling.py). Inside a decode step nothing reads a device value on the host: finished
 sequences are handled with `torch.where` (they keep emitting pad) and the only host sync is the
 "all finished?" check every `sync_every` steps. Positions follow the left padding exactly as

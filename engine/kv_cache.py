@@ -5,10 +5,11 @@ as `past_key_values` through its own forward (nothing is patched). Each full-att
 allocates [batch, kv_heads, prompt + max_new_tokens, head_dim] keys and values on its first
 write (so dtype, device and the per-rank head count under tensor parallelism come from the
 model itself) and never reallocates. Unlike `transformers.StaticCache`, a layer returns only
-the filled prefix `[:, :, :length]`: attention then reads the tokens that exist instead of the
-whole buffer behind a mask, which halves prefill and average decode attention work when the
-rollout doubles the prompt. The write position is a host-side int advanced by the known number
-of tokens, so no step reads a device value.
+the filled prefix `[:, :, :length]`: attention reads the tokens that exist instead of the whole
+buffer behind a mask (prefill attends over P keys instead of P + N, decode step t over
+P + t + 1). The write position is a host-side int advanced by the known number of tokens, so
+no step reads a device value; a CUDA-graph fast path, which needs fixed shapes, would read the
+whole buffer instead.
 
 Sliding-window and chunked layers (Mistral/Qwen2 configs that enable them) use transformers'
 own `StaticSlidingWindowLayer`, whose mask sizes the model's mask functions already know.

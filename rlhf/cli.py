@@ -159,12 +159,74 @@ def _register_stages() -> None:
         summary = ppo.run(config)
         _print_summary(summary)
 
+    from rlhf.config import E2EConfig
+
+    @cli.command("e2e", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @config_options(E2EConfig)
+    @click.pass_context
+    def e2e_command(ctx: click.Context, **kwargs: Any) -> None:
+        """SFT -> reward -> PPO chained; with no arguments, the built-in offline demo on a tiny model.
+
+        \b
+        Stage settings: a --config file with `sft:`, `reward:`, `ppo:` sections (top-level keys are
+        the e2e options below), or prefixed flags such as --sft.lr 1e-3 --ppo.kl-coef 0.1.
+        Re-running skips finished stages and resumes an interrupted one.
+        """
+        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
+        from rlhf.stages import e2e
+
+        flags = e2e.parse_prefixed_flags(list(ctx.args))
+        ds_path = kwargs.pop("deepspeed_config", None)
+        file_path = kwargs.get("config_file")
+        sections: dict[str, Any] = {}
+        if file_path:
+            mapping = read_config_file(file_path)
+            sections = {name: mapping.pop(name) for name in list(mapping) if name in e2e.STAGES}
+            kwargs["config_file"] = None
+            config = build_config(E2EConfig, kwargs)
+            apply_mapping(config, mapping, file_path)
+            for name, value in kwargs.items():  # flags still win over the file
+                if value is not None and not (isinstance(value, tuple) and not value) and name not in (
+                        "config_file", "deepspeed_config", "nproc_per_node"):
+                    setattr(config, name, list(value) if isinstance(value, tuple) else value)
+        else:
+            config = build_config(E2EConfig, kwargs)
+        summary = e2e.run(config, sections, flags, file_path or "--config", ds_path)
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(format_e2e_summary(summary))
+
+    @cli.command("chat")
+    @click.option("--model", "model_dir", required=True, help="Any stage's <output>/model (or critic/) folder.")
+    @click.option("--prompt", default=None, help="Answer this one prompt and exit (default: interactive).")
+    @click.option("--max-new-tokens", default=128, show_default=True, type=int)
+    @click.option("--temperature", default=0.7, show_default=True, type=float, help="0 for greedy.")
+    @click.option("--top-p", default=0.9, show_default=True, type=float)
+    @click.option("--seed", default=0, show_default=True, type=int)
+    def chat_command(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
+                     seed: int) -> None:
+        """Talk to a model: answers with a causal LM, scores 'prompt ||| response' with a reward model."""
+        from rlhf.chat import chat
+
+        chat(model_dir, prompt, max_new_tokens, temperature, top_p, seed)
+
     @cli.command("report")
     def report_command() -> None:
         """Versions and which csrc ops are built (like DeepSpeed's ds_report)."""
         from rlhf.report import print_report
 
         print_report()
+
+
+def format_e2e_summary(summary: dict[str, Any]) -> str:
+    """The figures that show the pipeline worked, one per line."""
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    keys = ["rm_eval_accuracy", "sft_task_success", "ppo_task_success", "ppo_gain_points", "sft_seconds",
+            "reward_seconds", "ppo_seconds", "eval_seconds", "total_seconds"]
+    lines = [f"e2e summary ({summary.get('output')}):"]
+    lines += [f"  {k:<18} {fmt(summary[k])}" for k in keys if k in summary and summary[k] is not None]
+    return "\n".join(lines)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

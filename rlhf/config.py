@@ -95,7 +95,9 @@ class DataConfig:
     data_split: str | None = None
     """Share one dataset between the stages sft,reward,ppo, e.g. 2,4,4; each stage takes its seeded, disjoint part."""
     eval_split: float = 0.0
-    """Fraction of this stage's rows held out for evaluation (0 disables evaluation)."""
+    """Fraction of this stage's rows held out for evaluation (0 disables evaluation unless eval_data is given)."""
+    eval_data: list[str] = field(default_factory=list)
+    """Separate held-out evaluation data (same formats as data); used instead of eval_split."""
     max_seq_len: int = 512
     """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
     train_on_prompt: bool = False
@@ -251,6 +253,53 @@ class PPOConfig(RunConfig):
     """Keep an exponential moving average of the actor (DeepSpeed-Chat 0.992), saved to model_ema/; 0: off."""
     sample_log_interval: int = 10
     """Log a table of sample prompts/responses/scores every this many iterations."""
+
+
+@dataclass
+class E2EConfig:
+    """`rlhf e2e`: SFT -> reward -> PPO chained. Stage settings go in the config file's `sft:`,
+    `reward:`, `ppo:` sections or in prefixed flags (`--sft.lr 1e-3`, `--ppo.kl-coef 0.1`)."""
+
+    output: str = "runs/e2e"
+    """Run folder: sft/, reward/, ppo/, data/, base/ and summary.json. Re-running skips finished stages and resumes an interrupted one."""
+    model: str | None = None
+    """Base model (local folder or hub name); by default a tiny model is built from a config."""
+    tiny_family: str = "llama"
+    """Family of the built-in tiny base model (llama, qwen2, mistral, opt, gpt2)."""
+    tiny_hidden_size: int = 128
+    """Hidden size of the built-in tiny base model."""
+    tiny_layers: int = 4
+    """Decoder layers of the built-in tiny base model."""
+    task: str = "sort"
+    """Built-in task whose generated data the stages train on and whose checker measures success."""
+    data: list[str] = field(default_factory=list)
+    """Your own dataset instead of the task's: shared by the stages through data_split; no task success is measured."""
+    data_split: str = "2,4,4"
+    """Shares of --data for sft,reward,ppo."""
+    reward_fn: str | None = None
+    """PPO rewards from this task's checker instead of the reward model (the reward stage is then skipped)."""
+    n_sft: int = 4000
+    """Task SFT demonstrations (a wrong_fraction share of them wrong)."""
+    wrong_fraction: float = 0.35
+    """Share of wrong answers among the task's SFT demonstrations."""
+    n_pairs: int = 4000
+    """Task preference pairs for the reward model."""
+    n_prompts: int = 2000
+    """Task prompts for PPO."""
+    n_eval_pairs: int = 512
+    """Held-out task pairs for reward-model accuracy."""
+    n_eval_prompts: int = 256
+    """Held-out task prompts for the success rate of sampled responses."""
+    eval_temperature: float = 1.0
+    """Sampling temperature when measuring task success."""
+    eval_max_new_tokens: int = 16
+    """Response budget when measuring task success."""
+    seed: int = 0
+    """Seed of the data, the models and every stage."""
+    report_to: str = "wandb"
+    """Trackers of every stage (one W&B group per e2e run; offline without credentials)."""
+    wandb_project: str = "rlhf"
+    """W&B project of every stage."""
 
 
 SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")

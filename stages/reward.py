@@ -133,6 +133,10 @@ def run(config: RewardConfig) -> dict[str, Any]:
              len(train_rows), len(eval_rows), total_steps, plan.global_batch_size)
 
     model = load_reward_model(config.model, config.value_head_init_std)
+    # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
+    # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
+    # random steps (a drifting score offset). It is kept fixed, as DeepSpeed-Chat's bias-free head.
+    model.value_head.bias.requires_grad_(False)
     engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward")
     if ctx.is_main:
         write_config(output, config)

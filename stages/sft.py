@@ -55,6 +55,11 @@ def load_sft_rows(config: SFTConfig, tokenizer: Any) -> tuple[list[dict], list[d
     stats.log("sft data")
     if not rows:
         raise UserError(f"--data {' '.join(config.data.data)}: no usable SFT rows (see the counts above)")
+    if config.data.eval_data:
+        eval_parsed = [parse_row(r) for spec in config.data.eval_data for r in load_rows(spec)]
+        held_out, eval_stats = tokenize_sft(eval_parsed, tokenizer, config.data.max_seq_len, config.data.train_on_prompt)
+        eval_stats.log("sft eval data")
+        return rows, held_out, stats.as_dict()
     train, held_out = eval_holdout(rows, config.data.eval_split, config.engine.seed)
     return train, held_out, stats.as_dict()
 

@@ -376,6 +376,7 @@ def _tp_worker(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes importing transformers: ~20 s on 2 cores
 def test_tensor_parallel_model_generates_like_the_single_process_one() -> None:
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_tp_worker, args=(2, _free_port(), results), nprocs=2, join=True)

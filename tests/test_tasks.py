@@ -100,8 +100,14 @@ def test_invalid_task_settings_are_refused() -> None:
         SortTask(min_len=1)
     with pytest.raises(ValueError, match="min_len"):
         SortTask(min_len=5, max_len=4)
+    with pytest.raises(ValueError, match="max_len < 4"):
+        SortTask(alphabet="abcd", max_len=4)  # no letter left over for a "replace" mistake
+    with pytest.raises(ValueError, match="must not repeat"):
+        SortTask(alphabet="abca", max_len=2)
     with pytest.raises(ValueError, match="mistakes"):
         SortTask(mistakes=("typo",))
+    with pytest.raises(ValueError, match="mistakes"):
+        SortTask(mistakes=())
 
 
 # ------------------------------------------------------------------ mistakes
@@ -194,11 +200,11 @@ def test_builders_are_deterministic_under_a_seed() -> None:
 
 
 def test_prompts_avoid_the_excluded_set_and_a_too_small_task_fails_loudly() -> None:
-    task = SortTask(alphabet="abc", min_len=3, max_len=3)  # only 3! = 6 prompts exist
+    task = SortTask(alphabet="abc", min_len=2, max_len=2)  # only 3 * 2 = 6 prompts exist
     first = build_prompt_rows(task, 4, seed=0)
     rest = build_prompt_rows(task, 2, seed=0, exclude={r["prompt"] for r in first})
     assert {r["prompt"] for r in first} | {r["prompt"] for r in rest} == {
-        "sort: abc", "sort: acb", "sort: bac", "sort: bca", "sort: cab", "sort: cba"
+        "sort: ab", "sort: ba", "sort: ac", "sort: ca", "sort: bc", "sort: cb"
     }
     with pytest.raises(UserError, match="cannot produce 7 distinct prompts"):
         build_prompt_rows(task, 7, seed=0)

@@ -12,7 +12,8 @@
 namespace rlhf_adam {
 
 // The tensor lists of one adam_step call: one entry per parameter; `masters` and `lp_out` are
-// either empty (not wanted) or one entry per parameter.
+// either empty (not wanted) or one entry per parameter. `steps` are the params' step counters
+// (float32 scalars on the CPU, as torch AdamW keeps them); the op increments them.
 struct AdamLists {
   const std::vector<at::Tensor>& params;
   const std::vector<at::Tensor>& grads;
@@ -20,6 +21,7 @@ struct AdamLists {
   const std::vector<at::Tensor>& exp_avg_sqs;
   const std::vector<at::Tensor>& masters;
   const std::vector<at::Tensor>& lp_out;
+  const std::vector<at::Tensor>& steps;
 };
 
 inline void check_list(const char* op, const std::vector<at::Tensor>& list, size_t n,
@@ -39,9 +41,12 @@ inline void check_list(const char* op, const std::vector<at::Tensor>& list, size
 }
 
 // Checks devices, dtypes, contiguity and sizes; returns the (single) dtype of params and grads.
-inline ParamType check_adam_lists(const char* op, const AdamLists& l, int64_t step) {
-  TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
+inline ParamType check_adam_lists(const char* op, const AdamLists& l) {
   const size_t n = l.params.size();
+  check_list(op, l.steps, n, "steps (CPU float32 scalars)", at::Device(at::kCPU), at::kFloat, false);
+  for (const auto& s : l.steps) {
+    TORCH_CHECK(s.numel() == 1, op, ": each step must be a one-element tensor");
+  }
   if (n == 0) return ParamType::kFloat32;
   const at::Device device = l.params[0].device();
   const at::ScalarType dtype = l.params[0].scalar_type();
@@ -63,6 +68,18 @@ inline ParamType check_adam_lists(const char* op, const AdamLists& l, int64_t st
     }
   }
   return dtype == at::kBFloat16 ? ParamType::kBFloat16 : ParamType::kFloat32;
+}
+
+// Increments every step counter (after all checks passed) and returns the new values.
+inline std::vector<int64_t> increment_steps(const std::vector<at::Tensor>& steps) {
+  std::vector<int64_t> values;
+  values.reserve(steps.size());
+  for (const auto& s : steps) {
+    float* counter = s.data_ptr<float>();
+    *counter += 1.0f;
+    values.push_back(static_cast<int64_t>(*counter));
+  }
+  return values;
 }
 
 }  // namespace rlhf_adam

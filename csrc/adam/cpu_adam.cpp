@@ -70,17 +70,22 @@ AdamSpanFn resolve_isa(const std::string& requested) {
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& lp_out,
-               double lr, double beta1, double beta2, double eps, double weight_decay,
-               int64_t step, bool adam_w_mode, const std::string& isa) {
-  const AdamLists lists{params, grads, exp_avgs, exp_avg_sqs, masters, lp_out};
-  const ParamType type = check_adam_lists("fused_adam_cpu", lists, step);
+               const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adam_w_mode, const std::string& isa) {
+  const AdamLists lists{params, grads, exp_avgs, exp_avg_sqs, masters, lp_out, steps};
+  const ParamType type = check_adam_lists("fused_adam_cpu", lists);
   if (!params.empty()) {
     TORCH_CHECK(params[0].device().is_cpu(), "fused_adam_cpu: tensors must be on the CPU");
   }
   const AdamSpanFn kernel = resolve_isa(isa);
-  const AdamHyper hyper = make_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode);
+  // Per tensor: params of one group may be at different steps (added to the optimizer later).
+  std::vector<AdamHyper> hypers;
+  for (const int64_t step : increment_steps(steps)) {
+    hypers.push_back(make_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode));
+  }
 
   std::vector<AdamSpan> spans;
+  std::vector<size_t> span_tensor;
   int64_t total = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
@@ -99,6 +104,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       s.numel = std::min(kChunk, numel - begin);
       s.param_type = type;
       spans.push_back(s);
+      span_tensor.push_back(i);
     }
     total += numel;
   }
@@ -106,7 +112,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   // Below one chunk of work a parallel region costs more than it saves.
   const int64_t grain = total <= kChunk ? static_cast<int64_t>(spans.size()) : 1;
   at::parallel_for(0, static_cast<int64_t>(spans.size()), grain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) kernel(spans[i], hyper);
+    for (int64_t i = b; i < e; ++i) kernel(spans[i], hypers[span_tensor[i]]);
   });
 }
 
@@ -117,11 +123,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused Adam/AdamW step for CPU tensors (AVX-512 / AVX2 / scalar, OpenMP)";
   m.def("adam_step", &rlhf_adam::adam_step, py::arg("params"), py::arg("grads"),
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("masters"), py::arg("lp_out"),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("step"), py::arg("adam_w_mode"),
-        py::arg("isa") = "auto",
+        py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adam_w_mode"), py::arg("isa") = "auto",
         "One Adam/AdamW step over flat lists of contiguous CPU tensors (empty masters/lp_out "
-        "lists mean none).",
+        "lists mean none); increments each param's step counter first.",
         py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &rlhf_adam::supported_isas,
         "Kernels this CPU can run, widest last (scalar, avx2, avx512).");

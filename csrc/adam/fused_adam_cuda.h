@@ -12,6 +12,7 @@
 namespace rlhf_adam {
 
 // One step of `count` tensors on one device, all with the same param dtype (grads share it).
+// The step-dependent constants are per tensor (params of a group may be at different steps).
 // The update runs in fp32 on masters[i] when `masters` is non-null (bf16 params), else on the
 // param itself; results go to the param, the master and lp_out[i] (bf16) when given.
 struct AdamTensorLists {
@@ -22,11 +23,14 @@ struct AdamTensorLists {
   float* const* masters;  // nullable (the array): no master copies
   void* const* lp_out;    // nullable (the array): no bf16 copy wanted
   const int64_t* numels;
+  const float* neg_step_sizes;          // per tensor: -lr / (1 - beta1^step)
+  const float* bias_correction2_sqrts;  // per tensor: sqrt(1 - beta2^step)
   int64_t count;
   ParamType param_type;
 };
 
-// Enqueues the step on `stream`; returns the first launch error (cudaSuccess otherwise).
+// Enqueues the step on `stream`; `hyper` holds the group's constants (its two step-dependent
+// fields are ignored). Returns the first launch error (cudaSuccess otherwise).
 cudaError_t launch_fused_adam(const AdamTensorLists& lists, const AdamHyper& hyper,
                               cudaStream_t stream);
 

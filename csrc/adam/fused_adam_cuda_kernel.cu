@@ -27,6 +27,8 @@ struct TensorListMeta {
   float* master[kMaxTensors];
   __nv_bfloat16* lp_out[kMaxTensors];
   int64_t numel[kMaxTensors];
+  float neg_step_size[kMaxTensors];
+  float bias_correction2_sqrt[kMaxTensors];
   unsigned char block_to_tensor[kMaxBlocks];
   int block_to_chunk[kMaxBlocks];
 };
@@ -102,7 +104,10 @@ __global__ void __launch_bounds__(kThreads)
   float* exp_avg_sq = meta.exp_avg_sq[t] + begin;
   float* master = kMaster ? meta.master[t] + begin : nullptr;
   __nv_bfloat16* lp_out = kLowPrecision ? meta.lp_out[t] + begin : nullptr;
-  const AdamCoeffs<DeviceScalar> c(hyper);
+  AdamHyper h = hyper;
+  h.neg_step_size = meta.neg_step_size[t];
+  h.bias_correction2_sqrt = meta.bias_correction2_sqrt[t];
+  const AdamCoeffs<DeviceScalar> c(h);
 
   // FSDP shards are views at arbitrary offsets: take the vector path only when all pointers
   // allow it; chunk starts are multiples of kIlp, so the check holds for the whole chunk.
@@ -173,6 +178,8 @@ cudaError_t launch_typed(const AdamTensorLists& l, const AdamHyper& hyper, cudaS
     meta.master[slot] = kMaster ? l.masters[t] : nullptr;
     meta.lp_out[slot] = kLowPrecision ? static_cast<__nv_bfloat16*>(l.lp_out[t]) : nullptr;
     meta.numel[slot] = numel;
+    meta.neg_step_size[slot] = l.neg_step_sizes[t];
+    meta.bias_correction2_sqrt[slot] = l.bias_correction2_sqrts[t];
     const int64_t chunks = (numel + kChunk - 1) / kChunk;
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       meta.block_to_tensor[blocks] = static_cast<unsigned char>(slot);
@@ -189,6 +196,8 @@ cudaError_t launch_typed(const AdamTensorLists& l, const AdamHyper& hyper, cudaS
           meta.master[0] = meta.master[slot];
           meta.lp_out[0] = meta.lp_out[slot];
           meta.numel[0] = meta.numel[slot];
+          meta.neg_step_size[0] = meta.neg_step_size[slot];
+          meta.bias_correction2_sqrt[0] = meta.bias_correction2_sqrt[slot];
           slot = 0;
         } else {
           slot = -1;  // tensor finished exactly at the flush: the next one starts at slot 0

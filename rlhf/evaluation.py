@@ -1,0 +1,40 @@
+"""Ground-truth evaluation: task success of sampled responses on held-out prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf.data.batching import pad_left
+from rlhf.data.formats import render_prompt
+from rlhf.data.tokenization import encode_prompt
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.generation import generate
+from rlhf.engine.sampling import SamplingParams
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+
+@torch.no_grad()
+def task_success(
+    model_dir: str, task: Any, prompts: list[str], ctx: DistributedContext, temperature: float = 1.0,
+    max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0,
+) -> float:
+    """Mean task score of responses sampled at `temperature` (each rank takes a share of the prompts)."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir).to(ctx.device).eval()
+    mine = prompts[ctx.rank :: ctx.world_size]
+    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=max(temperature, 1e-6),
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    generator = torch.Generator(device=ctx.device).manual_seed(seed + ctx.rank)
+    total = 0.0
+    for start in range(0, len(mine), batch_size):
+        texts = mine[start : start + batch_size]
+        ids = [encode_prompt(render_prompt([{"role": "user", "content": t}], tokenizer), tokenizer) for t in texts]
+        input_ids, mask = pad_left(ids, tokenizer.pad_token_id)
+        out = generate(model, input_ids.to(ctx.device), mask.to(ctx.device), params, generator)
+        for text, seq, action in zip(texts, out.sequences, out.action_mask):
+            response = tokenizer.decode(seq[action], skip_special_tokens=True).strip()
+            total += task.score(text, response)
+    sums = ctx.all_reduce_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64))
+    return float(sums[0] / sums[1].clamp(min=1))

@@ -326,7 +326,8 @@ class FusedAdamW(torch.optim.Optimizer):
             return True
         if self.implementation == "fused":
             raise RuntimeError(f"FusedAdamW(implementation='fused'): {reason}")
-        if reason not in self._reference_reasons:
+        # A missing op was already reported (once) by engine/ops.py; say the other reasons once.
+        if self._ops[kind] is not None and reason not in self._reference_reasons:
             self._reference_reasons.add(reason)
             log.warning("FusedAdamW: %s; those params take the torch reference path", reason)
         return False

@@ -17,23 +17,31 @@ The model stays a plain Hugging Face module called through its own forward, so t
 runs on a tensor-parallel model whose parameters are DTensors. Under tensor parallelism every
 rank of the group must draw the same tokens: pass a generator seeded identically on all ranks.
 This torch loop is the reference that faster paths (CUDA graphs, csrc kernels) must match.
+
+`generate(..., fast="auto")` (the default) runs Llama, Qwen2 and Mistral models through
+`FastLlamaDecoder` (engine/fast_decode.py), the same math as plain functions over the model's
+weights, which skips the Python overhead of the HF forward; anything it does not support
+(other families, sliding windows, DTensor parameters, hooks, ...) takes the HF forward, and
+`fast=False` always does.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
+from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache
 from rlhf.engine.sampling import SamplingParams, sample_next_token
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["GenerationOutput", "SamplingParams", "generate", "prefill", "decode_step"]
+__all__ = ["GenerationOutput", "SamplingParams", "generate", "prefill", "decode_step", "select_runner"]
 
 
 @dataclass
@@ -113,6 +121,50 @@ def decode_step(
     return _last_logits(out.logits)
 
 
+class StepRunner(Protocol):
+    """One rollout's forward passes: `prefill` once, then `decode` once per new token."""
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class HFForwardRunner:
+    """The reference path: the model's own forward over a `RolloutKVCache`."""
+
+    def __init__(self, model: nn.Module, max_len: int) -> None:
+        self.model = model
+        self.cache = RolloutKVCache(model.config, max_cache_len=max_len)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return prefill(self.model, input_ids, attention_mask, position_ids, self.cache)
+
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return decode_step(self.model, tokens, attention_mask, position_ids, self.cache)
+
+
+_logged_fallbacks: set[str] = set()
+
+
+def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Literal["auto"] = "auto") -> StepRunner:
+    """The fast decoder where it supports `model` (and `fast` allows it), else the HF forward.
+
+    fast=True insists on the fast path (ValueError naming the reason when it cannot run);
+    "auto" falls back to the HF forward, logging the reason once per distinct reason.
+    """
+    if fast is False:
+        return HFForwardRunner(model, max_len)
+    reason = fast_decode_unsupported_reason(model)
+    if reason is None:
+        return FastLlamaDecoder(model, batch, max_len)
+    if fast is True:
+        raise ValueError(f"generate(fast=True): the fast decoder cannot run this model: {reason}")
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        log.info("generate: using the Hugging Face forward (no fast decoder: %s)", reason)
+    return HFForwardRunner(model, max_len)
+
+
 def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
@@ -135,11 +187,14 @@ def generate(
     attention_mask: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    fast: bool | Literal["auto"] = "auto",
 ) -> GenerationOutput:
     """Generate up to `params.max_new_tokens` tokens after each left-padded prompt.
 
     `generator` (on the model's device) makes sampling reproducible; under tensor parallelism
-    it must be seeded identically on every rank of the group.
+    it must be seeded identically on every rank of the group. `fast` picks the forward passes
+    (see `select_runner`): "auto" uses the fast decoder where it supports the model, False
+    always the model's own forward (the reference), True insists on the fast decoder.
     """
     _check_prompts(input_ids, attention_mask)
     if model.training:
@@ -169,8 +224,8 @@ def generate(
     eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-    cache = RolloutKVCache(model.config, max_cache_len=total_len)
-    logits = prefill(model, input_ids, attention_mask, prompt_positions, cache)
+    runner = select_runner(model, batch, total_len, fast)
+    logits = runner.prefill(input_ids, attention_mask, prompt_positions)
     steps_run = max_new
     for step in range(max_new):
         col = prompt_len + step
@@ -186,14 +241,10 @@ def generate(
         if params.sync_every and (step + 1) % params.sync_every == 0 and bool(finished.all()):
             steps_run = step + 1
             break
-        logits = decode_step(
-            model,
-            sequences[:, col : col + 1],
-            model_mask[:, : col + 1],
-            step_positions[:, step : step + 1],
-            cache,
+        logits = runner.decode(
+            sequences[:, col : col + 1], model_mask[:, : col + 1], step_positions[:, step : step + 1]
         )
-    log.debug("generated %d of %d steps for %d sequences", steps_run, max_new, batch)
+    log.debug("generated %d of %d steps for %d sequences (%s)", steps_run, max_new, batch, type(runner).__name__)
 
     out_mask = torch.cat([attention_mask, action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
     return GenerationOutput(

@@ -298,19 +298,9 @@ def fused_selective_log_softmax_forward(
     return logp, lse
 
 
-def decode_attention_flops_and_bytes(
-    batch: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
-) -> tuple[float, float]:
-    """FLOPs and minimum HBM bytes of one decode attention call (for benchmark reports)."""
-    flops = 4.0 * batch * heads * context * head_dim
-    bytes_moved = element_bytes * (2.0 * batch * kv_heads * context * head_dim + 2.0 * batch * heads * head_dim)
-    return flops, bytes_moved
-
-
 __all__ = [
     "DECODE_ATTENTION_HEAD_DIMS",
     "decode_attention",
-    "decode_attention_flops_and_bytes",
     "decode_attention_reference",
     "filter_logits_reference",
     "fused_selective_log_softmax_forward",

@@ -101,7 +101,7 @@ class DataConfig:
     max_seq_len: int = 512
     """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
     train_on_prompt: bool = False
-    """Include prompt tokens in the SFT loss (by default only response tokens are trained)."""
+    """SFT only: include prompt tokens in the loss (by default only response tokens are trained)."""
 
 
 @dataclass

@@ -104,6 +104,11 @@ def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], li
             f"--data {' '.join(config.data.data)}: no usable preference pairs (see the counts above); rows need "
             "prompt/chosen/rejected, chosen/rejected dialogs or chat messages, with chosen != rejected"
         )
+    if config.data.eval_data:
+        eval_parsed = [parse_row(r) for spec in config.data.eval_data for r in load_rows(spec)]
+        held_out, eval_stats = tokenize_pairs(eval_parsed, tokenizer, config.data.max_seq_len)
+        eval_stats.log("reward eval data")
+        return rows, held_out, counts
     train, held_out = eval_holdout(rows, config.data.eval_split, config.engine.seed)
     return train, held_out, counts
 
@@ -120,6 +125,7 @@ def load_reward_model(path: str, head_init_std: float) -> ValueModel:
 
 
 def run(config: RewardConfig) -> dict[str, Any]:
+    """Train, evaluate and export a reward model (collective: every rank calls it); returns the summary."""
     ctx = DistributedContext.initialize()
     resolve_batch_size(config.engine, ctx.world_size)
     output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)

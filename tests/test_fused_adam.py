@@ -33,6 +33,11 @@ def cpu_op():
     return op
 
 
+def counters(n: int, value: float = 0.0) -> list[torch.Tensor]:
+    """Per-param step counters as FusedAdamW keeps them; the ops increment them."""
+    return [torch.tensor(value) for _ in range(n)]
+
+
 def torch_adam(params, adam_w_mode: bool, **kwargs) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     return cls(params, foreach=False, **kwargs)
@@ -122,9 +127,11 @@ def test_large_tensor_every_isa_matches_torch() -> None:
         ref.step()
     for isa in op.supported_isas():
         p, m, v = start.clone(), torch.zeros(BIG), torch.zeros(BIG)
-        for step, g in enumerate(grads, start=1):
-            op.adam_step([p], [g], [m], [v], [], [], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                         weight_decay=0.1, step=step, adam_w_mode=True, isa=isa)
+        steps = counters(1)
+        for g in grads:
+            op.adam_step([p], [g], [m], [v], [], [], steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.1, adam_w_mode=True, isa=isa)
+        assert steps[0].item() == len(grads)
         torch.testing.assert_close(p, ref_p.detach(), **STATE_TOL, msg=lambda m, isa=isa: f"{isa}: {m}")
         torch.testing.assert_close(v, ref.state[ref_p]["exp_avg_sq"], **STATE_TOL)
 
@@ -136,16 +143,20 @@ def test_every_isa_agrees_with_reference_on_ragged_sizes(adam_w_mode: bool) -> N
     gen = torch.Generator().manual_seed(4)
     params = [torch.randn(n, generator=gen) for n in sizes]
     grads = [torch.randn(n, generator=gen) for n in sizes]
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, step=3, adam_w_mode=adam_w_mode)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, adam_w_mode=adam_w_mode)
     expected = [p.clone() for p in params]
     exp_m = [torch.full((n,), 0.1) for n in sizes]
     exp_v = [torch.full((n,), 0.2) for n in sizes]
-    adam_reference_step(expected, grads, exp_m, exp_v, [], [], **hp)
+    start_steps = [2.0, 0.0, 5.0, 2.0, 1.0, 9.0]  # one group, params at different steps
+    ref_steps = [torch.tensor(s) for s in start_steps]
+    adam_reference_step(expected, grads, exp_m, exp_v, [], [], ref_steps, **hp)
     for isa in op.supported_isas():
         p = [t.clone() for t in params]
         m = [torch.full((n,), 0.1) for n in sizes]
         v = [torch.full((n,), 0.2) for n in sizes]
-        op.adam_step(p, grads, m, v, [], [], isa=isa, **hp)
+        steps = [torch.tensor(s) for s in start_steps]
+        op.adam_step(p, grads, m, v, [], [], steps, isa=isa, **hp)
+        assert [s.item() for s in steps] == [s.item() for s in ref_steps] == [s + 1 for s in start_steps]
         for got, want in zip(p + m + v, expected + exp_m + exp_v):
             torch.testing.assert_close(got, want, **STATE_TOL)
 
@@ -210,8 +221,8 @@ def test_bf16_rounding_is_bit_exact_with_torch_on_every_isa() -> None:
     for isa in op.supported_isas():
         p, lp = w.clone(), torch.empty(w.numel(), dtype=torch.bfloat16)
         zeros = [torch.zeros_like(w) for _ in range(3)]
-        op.adam_step([p], [zeros[0]], [zeros[1]], [zeros[2]], [], [lp], lr=0.0, beta1=0.9, beta2=0.999,
-                     eps=1e-8, weight_decay=0.0, step=1, adam_w_mode=True, isa=isa)
+        op.adam_step([p], [zeros[0]], [zeros[1]], [zeros[2]], [], [lp], counters(1), lr=0.0, beta1=0.9,
+                     beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True, isa=isa)
         assert torch.equal(p.view(torch.int32), w.view(torch.int32)), isa
         want = w.bfloat16()
         # NaN payloads differ between torch's own scalar and vector casts; any NaN will do.
@@ -309,13 +320,17 @@ def test_argument_checks() -> None:
     op = cpu_op()
     assert fused_adam_available("cpu")
     z = torch.zeros(3)
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, adam_w_mode=True)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True)
+    steps = counters(1)
     with pytest.raises(RuntimeError, match="mismatched sizes"):
-        op.adam_step([z.clone()], [z.clone()], [torch.zeros(4)], [z.clone()], [], [], **hp)
+        op.adam_step([z.clone()], [z.clone()], [torch.zeros(4)], [z.clone()], [], [], steps, **hp)
     with pytest.raises(RuntimeError, match="master"):
-        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [z.clone()], [], **hp)
+        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [z.clone()], [], steps, **hp)
     with pytest.raises(RuntimeError, match="isa"):
-        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [], [], isa="sse9", **hp)
+        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [], [], steps, isa="sse9", **hp)
+    with pytest.raises(RuntimeError, match="steps"):
+        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [], [], [], **hp)
+    assert steps[0].item() == 0.0  # a rejected call leaves the counters alone
 
 
 # ------------------------------------------------------------------ CUDA
@@ -359,13 +374,13 @@ def test_cuda_unaligned_views_and_many_chunks() -> None:
         flat = torch.randn(offset + sum(sizes), device="cuda", generator=gen)
         return list(torch.split(flat[offset:], sizes))
 
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=2, adam_w_mode=True)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adam_w_mode=True)
     for offset in (0, 1):
         p, g, m = views(offset), views(offset), views(offset)
         v = [t.abs() for t in views(offset)]
         want = [[t.clone() for t in ts] for ts in (p, m, v)]
-        op.adam_step(p, g, m, v, [], [], **hp)
-        adam_reference_step(want[0], g, want[1], want[2], [], [], **hp)
+        op.adam_step(p, g, m, v, [], [], counters(len(sizes), 1.0), **hp)
+        adam_reference_step(want[0], g, want[1], want[2], [], [], counters(len(sizes), 1.0), **hp)
         for got, exp in zip(p + m + v, want[0] + want[1] + want[2]):
             torch.testing.assert_close(got, exp, **STATE_TOL)
 

@@ -137,6 +137,7 @@ def test_learns_sorted_order_and_saved_model_scores_the_same(base_model: Path, s
     assert json.loads((model_dir / "config.json").read_text())["rlhf_model_type"] == "value"
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
     model = load_value_model(model_dir).eval()
+    assert model.value_head.bias.item() == 0.0  # kept fixed: the pairwise loss cannot train it
     tokenizer = load_tokenizer(str(model_dir))
     config = load_saved_config(RewardConfig, out / "config.yaml")
     train_rows, eval_rows, _ = load_pair_rows(config, tokenizer)
@@ -184,6 +185,19 @@ def test_two_rank_zero3_matches_one_rank(base_model: Path, sort_pairs: Path, tmp
     # trainable head bias, whose gradient is pure rounding noise, Adam made them 3.5e-3.)
     for key in ("eval_loss", "eval_accuracy", "chosen_mean", "rejected_mean", "score_mean", "score_std"):
         assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-5, abs=1e-4), key
+
+
+def test_resume_continues_where_the_checkpoint_left_off(base_model: Path, sort_pairs: Path, tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "pairs.jsonl", [json.loads(line) for line in sort_pairs.read_text().splitlines()[:64]])
+    # Constant LR, so a 2-step run resumed to 4 steps follows the same schedule as 4 steps at once.
+    args = ["--model", str(base_model), "--data", str(data), "--micro-batch-size", "8", "--lr", "1e-2",
+            "--lr-scheduler", "constant", "--value-head-init-std", "0.5"]
+    straight = _run([*args, "--output", str(tmp_path / "a"), "--max-steps", "4"])
+    _run([*args, "--output", str(tmp_path / "b"), "--max-steps", "2"])
+    resumed = _run([*args, "--output", str(tmp_path / "b"), "--max-steps", "4", "--resume"])
+    assert _train_metrics(tmp_path / "b", "step") == [1, 2, 3, 4]
+    assert _train_metrics(tmp_path / "b", "loss") == pytest.approx(_train_metrics(tmp_path / "a", "loss"), abs=1e-6)
+    assert resumed["score_mean"] == pytest.approx(straight["score_mean"], abs=1e-5)
 
 
 def test_row_formats_drop_counts_and_eval_on_train(base_model: Path, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from rlhf.data.tasks import (
     build_sft_rows,
     get_task,
     success_rate,
+    user_request,
     write_task_dataset,
 )
 from rlhf.data.tasks.sort import MISTAKES
@@ -77,6 +78,20 @@ def test_score_on_hand_examples(prompt: str, response: str, expected: float) -> 
     task = SortTask()
     assert task.score(prompt, response) == expected
     assert task.is_correct(prompt, response) is (expected == 1.0)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Human: sort: dbca\n\nAssistant:",  # as the pipeline renders it
+        "<s>Human: sort: dbca\n\nAssistant:",
+        "\n\nHuman: sort: zz\n\nAssistant: no\n\nHuman: sort: dbca\n\nAssistant:",  # last turn counts
+        "  sort: dbca\n",
+    ],
+)
+def test_score_reads_the_request_out_of_a_rendered_prompt(prompt: str) -> None:
+    assert user_request(prompt) == "sort: dbca"
+    assert SortTask().score(prompt, " abcd") == 1.0 and SortTask().score(prompt, " abdc") == 0.0
 
 
 def test_correct_response_is_alphabetical() -> None:
@@ -144,9 +159,9 @@ def test_each_mistake_kind_is_the_mistake_it_names(kind: str) -> None:
             i = next(j for j in range(len(answer)) if wrong[j] != answer[j])
             assert wrong == answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
         elif kind == "drop":
-            assert len(wrong) == len(answer) - 1 and any(answer[:i] + answer[i + 1 :] == wrong for i in range(len(answer)))
+            assert wrong in {answer[:i] + answer[i + 1 :] for i in range(len(answer))}
         elif kind == "repeat":
-            assert len(wrong) == len(answer) + 1 and any(answer[: i + 1] + answer[i:] == wrong for i in range(len(answer)))
+            assert wrong in {answer[: i + 1] + answer[i:] for i in range(len(answer))}
         else:  # replace: one letter that is not in the prompt, in order where a letter fits
             diff = [j for j in range(len(answer)) if wrong[j] != answer[j]]
             assert len(wrong) == len(answer) and len(diff) == 1 and wrong[diff[0]] not in letters
@@ -179,7 +194,8 @@ def test_sft_rows_hold_exactly_the_requested_share_of_wrong_answers() -> None:
     rows = build_sft_rows(task, 200, wrong_fraction=0.35, seed=0)
     assert len(rows) == 200 and len({r["prompt"] for r in rows}) == 200
     assert sum(not task.is_correct(r["prompt"], r["response"]) for r in rows) == 70
-    assert all(task.is_correct(r["prompt"], r["response"]) for r in build_sft_rows(task, 50, 0.0, seed=0))
+    right = build_sft_rows(task, 50, wrong_fraction=0.0, seed=0)
+    assert all(task.is_correct(r["prompt"], r["response"]) for r in right)
     with pytest.raises(UserError, match="wrong_fraction"):
         build_sft_rows(task, 10, wrong_fraction=1.5, seed=0)
 
@@ -239,11 +255,12 @@ def test_written_dataset_has_every_file_with_disjoint_held_out_prompts(tmp_path:
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_written_dataset_is_reproducible_and_its_eval_files_do_not_depend_on_train_sizes(tmp_path: Path) -> None:
+def test_written_dataset_is_reproducible_and_eval_files_ignore_train_sizes(tmp_path: Path) -> None:
     task = SortTask()
     a = write_task_dataset(task, tmp_path / "a", wrong_fraction=0.35, seed=0, **SIZES)
     b = write_task_dataset(task, tmp_path / "b", wrong_fraction=0.35, seed=0, **SIZES)
-    bigger = write_task_dataset(task, tmp_path / "c", wrong_fraction=0.2, seed=0, **{**SIZES, "n_sft": 500, "n_pairs": 10})
+    resized = {**SIZES, "n_sft": 500, "n_pairs": 10}
+    bigger = write_task_dataset(task, tmp_path / "c", wrong_fraction=0.2, seed=0, **resized)
     other = write_task_dataset(task, tmp_path / "d", wrong_fraction=0.35, seed=1, **SIZES)
     for name in a:
         assert a[name].read_bytes() == b[name].read_bytes()
@@ -259,6 +276,7 @@ def test_dataset_is_the_same_in_a_fresh_process_with_another_hash_seed(tmp_path:
         f"write_task_dataset(SortTask(), sys.argv[1], wrong_fraction=0.35, seed=3, **{SIZES!r})"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, env=env, capture_output=True)
+    cmd = [sys.executable, "-c", code, str(tmp_path / "there")]
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
     for name, path in here.items():
         assert path.read_bytes() == (tmp_path / "there" / path.name).read_bytes(), name

@@ -43,7 +43,8 @@ inline void check_list(const char* op, const std::vector<at::Tensor>& list, size
 // Checks devices, dtypes, contiguity and sizes; returns the (single) dtype of params and grads.
 inline ParamType check_adam_lists(const char* op, const AdamLists& l) {
   const size_t n = l.params.size();
-  check_list(op, l.steps, n, "steps (CPU float32 scalars)", at::Device(at::kCPU), at::kFloat, false);
+  const at::Device cpu(at::kCPU);
+  check_list(op, l.steps, n, "steps (CPU float32 scalars)", cpu, at::kFloat, false);
   for (const auto& s : l.steps) {
     TORCH_CHECK(s.numel() == 1, op, ": each step must be a one-element tensor");
   }

@@ -1,10 +1,11 @@
 // Torch binding of the CPU fused Adam/AdamW op (module `fused_adam_cpu`).
 //
-// adam_step() takes flat lists of contiguous CPU tensors (one optimizer step of a parameter
-// group, all at the same step count), cuts them into fixed-size chunks and runs the chunks on
+// adam_step() takes flat lists of contiguous CPU tensors (one parameter group's params with
+// their state and step counters), cuts them into fixed-size chunks and runs the chunks on
 // torch's intra-op OpenMP threads with the widest kernel this CPU supports (AVX-512F, AVX2+FMA,
 // else portable scalar code). One pass reads p, g, m, v and writes p, m, v (+ master, + a bf16
 // copy of the updated parameters when asked for: what ZeRO-Offload hands back to the GPU).
+//
 // Narrow includes instead of <torch/extension.h>: they cut the JIT build from ~65 s to ~13 s.
 #include <ATen/Parallel.h>
 #include <c10/util/StringUtil.h>

@@ -221,13 +221,14 @@ namespace rlhf_adam {
 cudaError_t launch_fused_adam(const AdamTensorLists& lists, const AdamHyper& hyper,
                               cudaStream_t stream) {
   using cuda::launch_typed;
+  using bf16 = __nv_bfloat16;
   const bool master = lists.masters != nullptr;
   const bool low_precision = lists.lp_out != nullptr;
   if (lists.param_type == ParamType::kBFloat16) {
-    if (master && low_precision) return launch_typed<__nv_bfloat16, true, true>(lists, hyper, stream);
-    if (master) return launch_typed<__nv_bfloat16, true, false>(lists, hyper, stream);
-    if (low_precision) return launch_typed<__nv_bfloat16, false, true>(lists, hyper, stream);
-    return launch_typed<__nv_bfloat16, false, false>(lists, hyper, stream);
+    if (master && low_precision) return launch_typed<bf16, true, true>(lists, hyper, stream);
+    if (master) return launch_typed<bf16, true, false>(lists, hyper, stream);
+    if (low_precision) return launch_typed<bf16, false, true>(lists, hyper, stream);
+    return launch_typed<bf16, false, false>(lists, hyper, stream);
   }
   if (master) return cudaErrorInvalidValue;  // fp32 params need no master copy
   if (low_precision) return launch_typed<float, false, true>(lists, hyper, stream);

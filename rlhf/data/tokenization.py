@@ -31,7 +31,7 @@ class TokenizeStats:
 
     def as_dict(self) -> dict[str, int]:
         return {"kept": self.kept, "truncated": self.truncated, "dropped": sum(self.dropped.values()),
-                **{f"dropped_{k.replace(' ', '_')}": v for k, v in self.dropped.items()}}
+                **{"dropped_" + "".join(c if c.isalnum() else "_" for c in k): v for k, v in self.dropped.items()}}
 
 
 def encode_prompt(text: str, tokenizer: Any) -> list[int]:

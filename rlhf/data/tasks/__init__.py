@@ -19,6 +19,7 @@ from rlhf.data.tasks.base import (
     build_sft_rows,
     sample_unique_prompts,
     success_rate,
+    user_request,
     write_task_dataset,
 )
 from rlhf.data.tasks.sort import SortTask
@@ -39,5 +40,6 @@ def get_task(name: str) -> Task:
 
 __all__ = [
     "DATASET_FILES", "TASKS", "SortTask", "Task", "build_preference_rows", "build_prompt_rows",
-    "build_sft_rows", "get_task", "sample_unique_prompts", "success_rate", "write_task_dataset",
+    "build_sft_rows", "get_task", "sample_unique_prompts", "success_rate", "user_request",
+    "write_task_dataset",
 ]

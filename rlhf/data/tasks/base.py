@@ -53,6 +53,16 @@ class Task(Protocol):
         ...
 
 
+def user_request(prompt: str) -> str:
+    """The user's request: `prompt` itself, or its last Human turn if it is a rendered dialog.
+
+    Lets a task checker score the rendered prompt ("Human: ...\n\nAssistant:", maybe after a
+    BOS) as well as the raw user text that the task generated.
+    """
+    _, human, turn = prompt.rpartition("Human:")
+    return turn.split("\nAssistant:", 1)[0].strip() if human else prompt.strip()
+
+
 def _file_rng(seed: int, what: str) -> random.Random:
     # One stream per dataset, so one file's size never shifts another file's rows. String seeds
     # are hashed with SHA-512 by `random`, independent of PYTHONHASHSEED.
@@ -93,7 +103,10 @@ def build_sft_rows(
     prompts = sample_unique_prompts(task, n, rng, exclude)
     wrong = set(rng.sample(range(n), round(n * wrong_fraction)))
     return [
-        {"prompt": p, "response": task.wrong_response(p, rng) if i in wrong else task.correct_response(p)}
+        {
+            "prompt": p,
+            "response": task.wrong_response(p, rng) if i in wrong else task.correct_response(p),
+        }
         for i, p in enumerate(prompts)
     ]
 
@@ -101,7 +114,10 @@ def build_sft_rows(
 def build_preference_rows(
     task: Task, n: int, seed: int, exclude: set[str] | None = None, what: str = "pairs"
 ) -> list[dict[str, str]]:
-    """`n` preference pairs {prompt, chosen, rejected}: chosen correct, rejected a plausible mistake."""
+    """`n` preference pairs {prompt, chosen, rejected}: chosen correct, rejected a plausible mistake.
+
+    `what` names the seeded stream, so that two files of pairs from one seed differ.
+    """
     rng = _file_rng(seed, what)
     return [
         {"prompt": p, "chosen": task.correct_response(p), "rejected": task.wrong_response(p, rng)}
@@ -112,7 +128,7 @@ def build_preference_rows(
 def build_prompt_rows(
     task: Task, n: int, seed: int, exclude: set[str] | None = None, what: str = "prompts"
 ) -> list[dict[str, str]]:
-    """`n` rows {prompt} for PPO rollouts or evaluation."""
+    """`n` rows {prompt} for PPO rollouts or evaluation; `what` names the seeded stream."""
     return [{"prompt": p} for p in sample_unique_prompts(task, n, _file_rng(seed, what), exclude)]
 
 
@@ -150,7 +166,8 @@ def write_task_dataset(
 
     sft.jsonl {prompt, response}, pairs.jsonl / eval_pairs.jsonl {prompt, chosen, rejected},
     prompts.jsonl / eval_prompts.jsonl {prompt}. No prompt appears in two files or twice in one,
-    so the eval files are held out from every stage's training data.
+    so the eval files are held out from every stage's training data. Names are the file stems
+    ('sft' -> out_dir/sft.jsonl).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import re
 import string
 from dataclasses import dataclass
 
+from rlhf.data.tasks.base import user_request
 from rlhf.errors import UserError
 
 # Mistakes a sorter makes; each changes the answer, so a wrong response is never correct.
@@ -50,7 +51,9 @@ class SortTask:
             )
         unknown = sorted(set(self.mistakes) - set(MISTAKES))
         if unknown or not self.mistakes:
-            raise ValueError(f"sort task mistakes must be a non-empty subset of {MISTAKES}, got {self.mistakes}")
+            raise ValueError(
+                f"sort task mistakes must be a non-empty subset of {MISTAKES}, got {self.mistakes}"
+            )
 
     @property
     def _prompt_re(self) -> re.Pattern[str]:
@@ -62,8 +65,11 @@ class SortTask:
         return "sort: " + "".join(rng.sample(self.alphabet, n))
 
     def letters(self, prompt: str) -> str:
-        """The letters a prompt asks to sort; a `UserError` for text that is not a sort prompt."""
-        match = self._prompt_re.fullmatch(prompt.strip())
+        """The letters a prompt (raw or rendered as a dialog) asks to sort.
+
+        A `UserError` for text that is not a sort prompt.
+        """
+        match = self._prompt_re.fullmatch(user_request(prompt))
         if match is None or len(set(match.group(1))) != len(match.group(1)):
             raise UserError(
                 f"prompt {prompt[:60]!r} is not a '{self.name}' task prompt "

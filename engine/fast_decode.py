@@ -1,0 +1,280 @@
+"""A fast prefill/decode path for Llama-style models (Llama, Qwen2, Mistral without sliding window).
+
+Hugging Face's forward spends most of a small decode step in Python: keyword plumbing, output
+dataclasses, the cache object, mask construction, per-module hooks. In the manner of gpt-fast,
+`FastLlamaDecoder` runs the same math as a plain function over tensors it reads from the HF
+module (the module and its forward are left untouched):
+
+- per generate() call the weights are gathered once: q/k/v concatenated into one projection
+  (with Qwen2's biases), gate/up into another, so a layer is 4 matmuls instead of 7;
+- RoPE cos/sin come from the model's own rotary embedding module, tabulated once for every
+  position of the rollout (so rope_scaling types such as linear, llama3 or yarn are honoured),
+  and are applied to queries and keys together;
+- keys and values go to a preallocated [batch, kv_heads, prompt + max_new_tokens, head_dim]
+  buffer per layer; a step attends to the filled prefix with `scaled_dot_product_attention`
+  under the padding mask. A decode step packs the query heads of each KV group into the query
+  axis (GQA without repeating keys, as transformers' own `pack_gqa` does);
+- the final norm and lm_head run only on the last position.
+
+Numerics follow the HF modules op for op (RMSNorm upcasts to float32 and casts back before the
+weight, RoPE in the model dtype), so greedy tokens match the reference path; the HF forward
+stays the reference (tests/test_fast_decode.py). `fast_decode_unsupported_reason(model)` says
+why a model must take the reference path: another family, sliding-window layers, a rope type
+that rescales with sequence length, DTensor (tensor-parallel or FSDP) parameters, modules
+replaced by adapters or quantized layers, hooks on the model, or training mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+__all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "rms_norm", "apply_rope"]
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+# Rope types whose frequencies depend on the sequence length seen so far (HF's dynamic_rope_update):
+# a position table computed once would not reproduce them, so such models take the reference path.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+# -- pure math ----------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as LlamaRMSNorm computes it: in float32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., head_dim] (HF's rotate-half convention); cos/sin broadcast to x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# -- support check ------------------------------------------------------------------------------
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    inner = getattr(model, "model", None)
+    return getattr(inner, "layers", None) if inner is not None else None
+
+
+def fast_decode_unsupported_reason(model: nn.Module) -> str | None:
+    """Why `FastLlamaDecoder` cannot run `model` faithfully, or None when it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    text_config = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    if any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))} include windowed attention"
+    rope_type = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if any(kind in str(rope_type) for kind in _LENGTH_DEPENDENT_ROPE):
+        return f"rope type {rope_type!r} rescales with sequence length"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    if getattr(model, "is_quantized", False):
+        return "the model is quantized"
+    layers = _decoder_layers(model)
+    inner = getattr(model, "model", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
+        return "the model does not have the model.layers / rotary_emb / embed_tokens layout"
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return f"{type(module).__name__} has forward hooks that the fast path would skip"
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            return "parameters are DTensors (tensor-parallel or FSDP-sharded)"
+    linears = [model.get_output_embeddings()]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(m) is not nn.Linear for m in linears):
+        return "projections are not plain nn.Linear (adapters or quantized layers)"
+    return None
+
+
+# -- weights ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer's tensors, q/k/v and gate/up fused."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    post_norm: torch.Tensor
+    post_eps: float
+    w_gate_up: torch.Tensor
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weights of several projections of one input, stacked along the output axis (+ biases)."""
+    weight = torch.cat([m.weight.detach() for m in linears], dim=0)
+    if all(m.bias is None for m in linears):
+        return weight, None
+    biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+    return weight, torch.cat(biases)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def _layer_weights(layer: nn.Module) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    wqkv, bqkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
+    w_gate_up, b_gate_up = _fused(mlp.gate_proj, mlp.up_proj)
+    return _LayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        input_eps=float(layer.input_layernorm.variance_epsilon),
+        wqkv=wqkv, bqkv=bqkv,
+        wo=attn.o_proj.weight.detach(), bo=_bias(attn.o_proj),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+        w_gate_up=w_gate_up, b_gate_up=b_gate_up,
+        w_down=mlp.down_proj.weight.detach(), b_down=_bias(mlp.down_proj),
+    )
+
+
+def _activation(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """F.silu for the usual `hidden_act="silu"`, else the model's own activation module."""
+    if getattr(model.config.get_text_config(decoder=True), "hidden_act", None) == "silu":
+        return F.silu
+    return _decoder_layers(model)[0].mlp.act_fn
+
+
+# -- the decoder --------------------------------------------------------------------------------
+
+
+class FastLlamaDecoder:
+    """Prefill and decode steps of one rollout of `batch` sequences up to `max_len` tokens.
+
+    Built per generate() call: it gathers the weights (q/k/v and gate/up fused), tabulates
+    RoPE for positions [0, max_len) and allocates the KV cache. `prefill` then `decode` mirror
+    `generation.prefill` / `generation.decode_step` and return [batch, vocab] logits.
+    """
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int) -> None:
+        reason = fast_decode_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"FastLlamaDecoder cannot run this model: {reason}")
+        config = model.config.get_text_config(decoder=True)
+        inner = model.model
+        layers = _decoder_layers(model)
+        attn = layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = attn.head_dim
+        self.scaling = float(attn.scaling)
+        self.act = _activation(model)
+        self.embed = inner.embed_tokens.weight.detach()
+        self.layers = [_layer_weights(layer) for layer in layers]
+        self.norm = inner.norm.weight.detach()
+        self.norm_eps = float(inner.norm.variance_epsilon)
+        lm_head = model.get_output_embeddings()
+        self.lm_head, self.lm_head_bias = lm_head.weight.detach(), _bias(lm_head)
+
+        dtype, device = self.embed.dtype, self.embed.device
+        # The model's own rotary module, asked once for every position the rollout can reach.
+        positions = torch.arange(max_len, device=device)[None]
+        cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+
+        shape = (batch, self.num_kv_heads, max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.length = 0  # tokens written so far (a host int: no step reads a device value)
+        self.max_len = max_len
+
+    def _rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, head_dim] for positions [B, T] (broadcast over heads)."""
+        return self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
+
+    def _attention_block(
+        self,
+        w: _LayerWeights,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] -> attention output [B, T, hidden]; writes this step's keys/values."""
+        batch, steps, _ = x.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
+        qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
+        qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)  # queries and keys rotated together
+        end = start + steps
+        keys[:, :, start:end].copy_(qk[:, :, heads:].transpose(1, 2))
+        values[:, :, start:end].copy_(qkv[:, :, heads + kv_heads :].transpose(1, 2))
+        k, v = keys[:, :, :end], values[:, :, :end]
+        groups = heads // kv_heads
+        if steps == 1:
+            # One query per sequence: the `groups` query heads sharing a KV head become that
+            # head's query rows, so attention reads each key once (no repeat of the cache).
+            q = qk[:, 0, :heads].reshape(batch, kv_heads, groups, head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+            out = out.reshape(batch, 1, heads * head_dim)
+        else:
+            q = qk[:, :, :heads].transpose(1, 2)
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+            out = out.transpose(1, 2).reshape(batch, steps, heads * head_dim)
+        return F.linear(out, w.wo, w.bo)
+
+    def _mlp_block(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up, w.b_gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, w.w_down, w.b_down)
+
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] at positions [B, T] after `self.length` cached ones -> [B, V] last logits."""
+        start, steps = self.length, tokens.shape[1]
+        if start + steps > self.max_len:
+            raise RuntimeError(f"KV cache overflow: writing up to position {start + steps} of {self.max_len}")
+        cos, sin = self._rope_tables(position_ids)
+        x = F.embedding(tokens, self.embed)
+        for w, keys, values in zip(self.layers, self.keys, self.values):
+            x = x + self._attention_block(w, x, keys, values, cos, sin, mask, start)
+            x = x + self._mlp_block(w, x)
+        self.length = start + steps
+        last = rms_norm(x[:, -1], self.norm, self.norm_eps)
+        return F.linear(last, self.lm_head, self.lm_head_bias)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the left-padded prompt [B, P], filling the cache; -> [B, V] logits of the last position."""
+        prompt_len = input_ids.shape[1]
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=input_ids.device).tril()
+        mask = causal & attention_mask.bool()[:, None, :]
+        # A pad query sees no real key before it; letting it see itself keeps its (unused) output
+        # finite, so no NaN reaches the cached keys/values that real tokens skip over.
+        mask |= torch.eye(prompt_len, dtype=torch.bool, device=input_ids.device)
+        return self._forward(input_ids, position_ids, mask[:, None])
+
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One token per sequence [B, 1] at `position_ids` [B, 1]; `attention_mask` [B, cached + 1]."""
+        return self._forward(tokens, position_ids, attention_mask.bool()[:, None, None, :])

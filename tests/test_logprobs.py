@@ -53,7 +53,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape,vocab,dtype", CASES)
+@pytest.mark.parametrize("shape,vocab,dtype", CASES, ids=[f"{s[0]}x{s[1]}-V{v}-{str(d)[6:]}" for s, v, d in CASES])
 def test_selective_log_softmax_matches_naive(shape: tuple[int, int], vocab: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(vocab * 31 + shape[1])
     logits = (torch.randn(*shape, vocab, generator=gen) * 3).to(dtype)

@@ -1,6 +1,13 @@
-"""Generation kernels: the PyTorch references against independent definitions (SDPA, Hugging
-Face's logits warpers, hand-computed draws) on CPU, and each CUDA kernel against its reference
-over odd shapes and dtypes on a GPU (@pytest.mark.gpu)."""
+"""Generation kernels, three ways:
+
+- CPU: the PyTorch references against independent definitions (SDPA, Hugging Face's logits
+  warpers, hand-computed draws).
+- CPU, @pytest.mark.slow: the unmodified CUDA kernel sources built with g++ against
+  csrc/generation/emulator (fibers for threads, barriers checked) and compared with the
+  references, so kernel logic is tested on machines without a GPU.
+- GPU, @pytest.mark.gpu: the JIT-built CUDA ops against their references over odd shapes
+  (batch 1/7, GQA groups, head_dim 32-256, context 1..4099) and dtypes.
+"""
 
 from __future__ import annotations
 

@@ -52,6 +52,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm() for float32 inputs, where torch's own op computes the very same ops in C++."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [..., head_dim] (HF's rotate-half convention); cos/sin broadcast to x."""
     half = x.shape[-1] // 2
@@ -194,10 +199,16 @@ class FastLlamaDecoder:
         self.lm_head, self.lm_head_bias = lm_head.weight.detach(), _bias(lm_head)
 
         dtype, device = self.embed.dtype, self.embed.device
+        # torch's fused-in-C++ rms_norm runs LlamaRMSNorm's exact float32 ops; in lower
+        # precision HF rounds to the model dtype before the weight, which only rms_norm() copies.
+        self.rms_norm = _rms_norm_fp32 if dtype == torch.float32 else rms_norm
         # The model's own rotary module, asked once for every position the rollout can reach.
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
-        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+        half = self.head_dim // 2
+        self.cos = cos[0]  # [max_len, head_dim]
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): one op fewer.
+        self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
         shape = (batch, self.num_kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -205,76 +216,84 @@ class FastLlamaDecoder:
         self.length = 0  # tokens written so far (a host int: no step reads a device value)
         self.max_len = max_len
 
-    def _rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, head_dim] for positions [B, T] (broadcast over heads)."""
-        return self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
-
-    def _attention_block(
-        self,
-        w: _LayerWeights,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        start: int,
+    def _attention(
+        self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor, batch: int, steps: int, last_only: bool,
     ) -> torch.Tensor:
-        """x [B, T, hidden] -> attention output [B, T, hidden]; writes this step's keys/values."""
-        batch, steps, _ = x.shape
+        """x [B*T, hidden] -> attention output [B*T, hidden] ([B, hidden] when `last_only`).
+
+        Writes this step's keys and values at [self.length, self.length + T) of the cache.
+        """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
+        qkv = F.linear(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
-        qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)  # queries and keys rotated together
-        end = start + steps
-        keys[:, :, start:end].copy_(qk[:, :, heads:].transpose(1, 2))
-        values[:, :, start:end].copy_(qkv[:, :, heads + kv_heads :].transpose(1, 2))
-        k, v = keys[:, :, :end], values[:, :, :end]
+        cos, sin_signed = rope
+        qk = qkv.narrow(2, 0, heads + kv_heads)  # queries and keys, rotated together
+        half = head_dim // 2
+        qk = qk * cos + qk.roll(half, dims=-1) * sin_signed
+        keys, values = self.keys[layer], self.values[layer]
+        end = self.length + steps
+        keys.narrow(2, self.length, steps).copy_(qk.narrow(2, heads, kv_heads).transpose(1, 2))
+        values.narrow(2, self.length, steps).copy_(qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2))
+        k, v = keys.narrow(2, 0, end), values.narrow(2, 0, end)
         groups = heads // kv_heads
-        if steps == 1:
+        if steps == 1 or last_only:
             # One query per sequence: the `groups` query heads sharing a KV head become that
-            # head's query rows, so attention reads each key once (no repeat of the cache).
-            q = qk[:, 0, :heads].reshape(batch, kv_heads, groups, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-            out = out.reshape(batch, 1, heads * head_dim)
+            # head's query rows (transformers' pack_gqa), so each cached key is read once.
+            q = qk[:, -1].narrow(1, 0, heads).reshape(batch, kv_heads, groups, head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, -1:], scale=self.scaling)
+            out = out.view(batch, heads * head_dim)
         else:
-            q = qk[:, :, :heads].transpose(1, 2)
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-            out = out.transpose(1, 2).reshape(batch, steps, heads * head_dim)
+            q = qk.narrow(2, 0, heads).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=groups > 1
+            )
+            out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
         return F.linear(out, w.wo, w.bo)
 
-    def _mlp_block(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up, w.b_gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
+    def _mlp(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, w.w_down, w.b_down)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] at positions [B, T] after `self.length` cached ones -> [B, V] last logits."""
-        start, steps = self.length, tokens.shape[1]
-        if start + steps > self.max_len:
-            raise RuntimeError(f"KV cache overflow: writing up to position {start + steps} of {self.max_len}")
-        cos, sin = self._rope_tables(position_ids)
-        x = F.embedding(tokens, self.embed)
-        for w, keys, values in zip(self.layers, self.keys, self.values):
-            x = x + self._attention_block(w, x, keys, values, cos, sin, mask, start)
-            x = x + self._mlp_block(w, x)
-        self.length = start + steps
-        last = rms_norm(x[:, -1], self.norm, self.norm_eps)
-        return F.linear(last, self.lm_head, self.lm_head_bias)
+        """tokens [B, T] at positions [B, T] after the cached ones -> [B, V] logits of the last.
+
+        `mask` is additive, [B, 1, T, cached + T]. The last layer runs its attention output,
+        MLP and the final norm only for the last position: nothing else reaches the logits.
+        """
+        batch, steps = tokens.shape
+        if self.length + steps > self.max_len:
+            raise RuntimeError(f"KV cache overflow: writing up to position {self.length + steps} of {self.max_len}")
+        rope = (self.cos[position_ids].unsqueeze(2), self.sin_signed[position_ids].unsqueeze(2))
+        x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, hidden]
+        last_layer = len(self.layers) - 1
+        for i, w in enumerate(self.layers):
+            last_only = i == last_layer and steps > 1
+            attn = self._attention(w, x, i, rope, mask, batch, steps, last_only)
+            if last_only:
+                x = x.view(batch, steps, -1)[:, -1]
+            x = x + attn
+            x = x + self._mlp(w, x)
+        self.length += steps
+        if x.shape[0] != batch:  # a single layer: the last position was never split off
+            x = x.view(batch, steps, -1)[:, -1]
+        return F.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """Boolean visibility -> the additive mask SDPA adds to the scores (0 or -inf)."""
+        zero = torch.zeros((), dtype=self.embed.dtype, device=visible.device)
+        return zero.masked_fill(~visible, float("-inf"))
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the left-padded prompt [B, P], filling the cache; -> [B, V] logits of the last position."""
         prompt_len = input_ids.shape[1]
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=input_ids.device).tril()
-        mask = causal & attention_mask.bool()[:, None, :]
+        visible = causal & attention_mask.bool()[:, None, :]
         # A pad query sees no real key before it; letting it see itself keeps its (unused) output
         # finite, so no NaN reaches the cached keys/values that real tokens skip over.
-        mask |= torch.eye(prompt_len, dtype=torch.bool, device=input_ids.device)
-        return self._forward(input_ids, position_ids, mask[:, None])
+        visible |= torch.eye(prompt_len, dtype=torch.bool, device=input_ids.device)
+        return self._forward(input_ids, position_ids, self._additive(visible[:, None]))
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One token per sequence [B, 1] at `position_ids` [B, 1]; `attention_mask` [B, cached + 1]."""
-        return self._forward(tokens, position_ids, attention_mask.bool()[:, None, None, :])
+        return self._forward(tokens, position_ids, self._additive(attention_mask.bool()[:, None, None, :]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,12 @@ def test_wandb_offline_run_holds_the_metrics(tiny_model_dirs, sft_data, tmp_path
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (record_log,) = runs[0].glob("run-*.wandb")
+    # The W&B service process writes the record log; give it a bounded time to flush.
+    deadline = time.monotonic() + 60
     data = record_log.read_bytes()
+    while data.count(b"sft/loss") < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        data = record_log.read_bytes()
     # History rows are stored with JSON-encoded values: every logged loss must be in the run.
     assert data.count(b"sft/loss") >= 3
     for loss in train_losses(out):

@@ -225,7 +225,7 @@ class FastLlamaDecoder:
         Writes this step's keys and values at [self.length, self.length + T) of the cache.
         """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
+        qkv = F.linear(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
         cos, sin_signed = rope
         qk = qkv.narrow(2, 0, heads + kv_heads)  # queries and keys, rotated together
@@ -241,13 +241,16 @@ class FastLlamaDecoder:
             # One query per sequence: the `groups` query heads sharing a KV head become that
             # head's query rows (transformers' pack_gqa), so each cached key is read once.
             q = qk[:, -1].narrow(1, 0, heads).reshape(batch, kv_heads, groups, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, -1:], scale=self.scaling)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.narrow(2, -1, 1), scale=self.scaling)
             out = out.view(batch, heads * head_dim)
         else:
             q = qk.narrow(2, 0, heads).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=groups > 1
-            )
+            # CPU SDPA shares KV heads itself (faster than repeating them); CUDA's kernels fall
+            # back to the math one for GQA under a mask, so there the heads are repeated.
+            gqa = groups > 1 and q.device.type == "cpu"
+            if groups > 1 and not gqa:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
             out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
         return F.linear(out, w.wo, w.bo)
 
@@ -258,7 +261,7 @@ class FastLlamaDecoder:
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] at positions [B, T] after the cached ones -> [B, V] logits of the last.
 
-        `mask` is additive, [B, 1, T, cached + T]. The last layer runs its attention output,
+        `mask` [B, 1, T, cached + T] is boolean (True = visible) or additive. The last layer runs its attention output,
         MLP and the final norm only for the last position: nothing else reaches the logits.
         """
         batch, steps = tokens.shape
@@ -275,8 +278,6 @@ class FastLlamaDecoder:
             x = x + attn
             x = x + self._mlp(w, x)
         self.length += steps
-        if x.shape[0] != batch:  # a single layer: the last position was never split off
-            x = x.view(batch, steps, -1)[:, -1]
         return F.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
@@ -292,8 +293,10 @@ class FastLlamaDecoder:
         # A pad query sees no real key before it; letting it see itself keeps its (unused) output
         # finite, so no NaN reaches the cached keys/values that real tokens skip over.
         visible |= torch.eye(prompt_len, dtype=torch.bool, device=input_ids.device)
-        return self._forward(input_ids, position_ids, self._additive(visible[:, None]))
+        # Boolean: a [B, 1, P, P] float mask would hold 4x the memory for long prompts.
+        return self._forward(input_ids, position_ids, visible[:, None])
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One token per sequence [B, 1] at `position_ids` [B, 1]; `attention_mask` [B, cached + 1]."""
+        # Additive, made once per step: SDPA would otherwise convert a boolean mask in every layer.
         return self._forward(tokens, position_ids, self._additive(attention_mask.bool()[:, None, None, :]))

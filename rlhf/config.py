@@ -266,9 +266,9 @@ class E2EConfig:
     """Base model (local folder or hub name); by default a tiny model is built from a config."""
     tiny_family: str = "llama"
     """Family of the built-in tiny base model (llama, qwen2, mistral, opt, gpt2)."""
-    tiny_hidden_size: int = 128
+    tiny_hidden_size: int = 64
     """Hidden size of the built-in tiny base model."""
-    tiny_layers: int = 4
+    tiny_layers: int = 2
     """Decoder layers of the built-in tiny base model."""
     task: str = "sort"
     """Built-in task whose generated data the stages train on and whose checker measures success."""
@@ -278,21 +278,21 @@ class E2EConfig:
     """Shares of --data for sft,reward,ppo."""
     reward_fn: str | None = None
     """PPO rewards from this task's checker instead of the reward model (the reward stage is then skipped)."""
-    n_sft: int = 4000
+    n_sft: int = 16000
     """Task SFT demonstrations (a wrong_fraction share of them wrong)."""
     wrong_fraction: float = 0.35
     """Share of wrong answers among the task's SFT demonstrations."""
-    n_pairs: int = 4000
+    n_pairs: int = 32000
     """Task preference pairs for the reward model."""
-    n_prompts: int = 2000
+    n_prompts: int = 8192
     """Task prompts for PPO."""
     n_eval_pairs: int = 512
     """Held-out task pairs for reward-model accuracy."""
-    n_eval_prompts: int = 256
+    n_eval_prompts: int = 512
     """Held-out task prompts for the success rate of sampled responses."""
     eval_temperature: float = 1.0
     """Sampling temperature when measuring task success."""
-    eval_max_new_tokens: int = 16
+    eval_max_new_tokens: int = 10
     """Response budget when measuring task success."""
     seed: int = 0
     """Seed of the data, the models and every stage."""

@@ -12,9 +12,12 @@ of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
                                                         # char vocab), B=32, P=64, N=64
     python scripts/bench_generation.py --threads 2 --batch 8 --new 128
     python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --peak-gbs 3350
+    python scripts/bench_generation.py --fast off       # ours through the HF forward (reference)
 
-The last line of output is one JSON object (ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf,
-the per-phase timings, bandwidth figures and the shape).
+Ours runs the fast Llama-family decoder (engine/fast_decode.py) where it supports the model,
+else the model's own forward; --fast picks. The last line of output is one JSON object
+(ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf, the per-phase timings, bandwidth figures,
+ours_path and the shape).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf.engine.fast_decode import fast_decode_unsupported_reason
 from rlhf.engine.generation import SamplingParams, generate
 from rlhf.models.tiny import build_char_tokenizer, tiny_config
 
@@ -63,6 +67,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--peak-gbs", type=float, help="the device's peak memory bandwidth in GB/s")
+    p.add_argument(
+        "--fast", choices=["auto", "on", "off"], default="auto",
+        help="our path: the fast Llama-family decoder where it supports the model (auto), always (on), "
+        "or the model's own HF forward, the reference (off)",
+    )
     p.add_argument("--no-hf", action="store_true", help="time only ours")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -140,12 +149,16 @@ def main() -> None:
     input_ids = torch.randint(4, vocab, (args.batch, args.prompt), generator=gen, device=device)
     attention_mask = torch.ones_like(input_ids)
 
+    fast = {"auto": "auto", "on": True, "off": False}[args.fast]
+    unsupported = fast_decode_unsupported_reason(model)
+    path = "hf_forward" if fast is False or (fast == "auto" and unsupported) else "fast"
+
     def ours(new: int) -> torch.Tensor:
         params = SamplingParams(
             max_new_tokens=new, pad_token_id=pad, eos_token_id=None, do_sample=True,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         )
-        return generate(model, input_ids, attention_mask, params, generator=gen).sequences
+        return generate(model, input_ids, attention_mask, params, generator=gen, fast=fast).sequences
 
     # No stop id on either side (eos_token_id=None overrides the model's), so both always
     # generate exactly `new` tokens and HF pays for no min-length logits processor.
@@ -160,7 +173,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {args.family} {n_params / 1e6:.1f}M params {dtype} on {device}; batch {args.batch}, "
-        f"prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}"
+        f"prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}; ours: {path} path"
+        + (f" ({unsupported})" if path == "hf_forward" and unsupported else "")
     )
     results = {"ours": measure(ours, args, device)}
     if not args.no_hf:
@@ -193,6 +207,7 @@ def main() -> None:
         "hf_decode_gbs": round(hf_r["decode_gbs"], 2) if hf_r else None,
         "peak_gbs": args.peak_gbs,
         "ours_fraction_of_peak": round(ours_r["decode_gbs"] / args.peak_gbs, 4) if args.peak_gbs else None,
+        "ours_path": path,
         "preset": args.preset, "family": args.family, "params": n_params, "vocab": vocab,
         "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

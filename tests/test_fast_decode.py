@@ -1,0 +1,233 @@
+"""The fast Llama-family decoder: parity with the HF-forward reference path and HF generate, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from rlhf.engine import fast_decode
+from rlhf.engine.fast_decode import FastLlamaDecoder, apply_rope, fast_decode_unsupported_reason, rms_norm
+from rlhf.engine.generation import HFForwardRunner, generate, select_runner
+from rlhf.engine.sampling import SamplingParams
+from rlhf.models.tiny import build_char_tokenizer, build_tiny_model, tiny_config
+
+PAD = 0
+PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
+FAST_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = build_char_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def batch(tok) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any()  # left padding is exercised
+    return enc.input_ids, enc.attention_mask
+
+
+def _build(family: str, tok, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    model = build_tiny_model(family, tok, seed=0).to(dtype).eval()
+    if family == "qwen2":
+        # HF initialises Qwen2's q/k/v biases to zero; random ones make the fused bias matter.
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.copy_(0.2 * torch.randn(proj.bias.shape, generator=gen))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tok) -> dict[str, PreTrainedModel]:
+    return {family: _build(family, tok) for family in FAST_FAMILIES}
+
+
+def _greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, pad_token_id=PAD, do_sample=False, **kwargs)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Count of real tokens so far, pads at 0 (what transformers.generate feeds the model)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def test_pure_math_against_hand_values() -> None:
+    # rms of [3, 4] is sqrt(12.5): [3, 4] / 3.5355 * [1, 2].
+    out = rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), eps=0.0)
+    assert torch.allclose(out, torch.tensor([[3.0, 8.0]]) / 12.5**0.5)
+    # Rotate-half convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per frequency.
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    cos, sin = torch.tensor([0.5, 0.5, 0.5, 0.5]), torch.tensor([0.25, 0.25, 0.25, 0.25])
+    expected = torch.tensor([1 * 0.5 - 3 * 0.25, 2 * 0.5 - 4 * 0.25, 3 * 0.5 + 1 * 0.25, 4 * 0.5 + 2 * 0.25])
+    assert torch.allclose(apply_rope(x, cos, sin), expected)
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_greedy_matches_reference_and_hf_with_eos(models, batch, tok, family: str) -> None:
+    model, (ids, mask) = models[family], batch
+    n = 16
+    assert fast_decode_unsupported_reason(model) is None
+    free = generate(model, ids, mask, _greedy(n), fast=True)
+    # Row 0's token at step 3 as an extra stop id: that row stops mid-rollout, the others go on.
+    eos = [int(free.sequences[0, ids.shape[1] + 3]), tok.eos_token_id]
+    fast = generate(model, ids, mask, _greedy(n, eos_token_id=eos), fast=True)
+    ref = generate(model, ids, mask, _greedy(n, eos_token_id=eos), fast=False)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                        eos_token_id=eos, pad_token_id=PAD)
+    hf = torch.nn.functional.pad(hf, (0, fast.sequences.shape[1] - hf.shape[1]), value=PAD)
+    assert torch.equal(fast.sequences, ref.sequences) and torch.equal(fast.sequences, hf)
+    assert torch.equal(fast.action_mask, ref.action_mask) and torch.equal(fast.finished, ref.finished)
+    assert bool(fast.finished[0]) and int(fast.response_lengths[0]) <= 4 and not fast.finished.all()
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_logits_match_the_reference_every_step(models, batch, family: str) -> None:
+    model, (ids, mask) = models[family], batch
+    b, p = ids.shape
+    steps = 8
+    fast, ref = FastLlamaDecoder(model, b, p + steps), HFForwardRunner(model, p + steps)
+    positions = _positions(mask)
+    with torch.no_grad():
+        fast_logits = fast.prefill(ids, mask, positions)
+        ref_logits = ref.prefill(ids, mask, positions)
+        full_mask = torch.cat([mask, torch.ones(b, steps, dtype=mask.dtype)], dim=1)
+        for step in range(steps):
+            torch.testing.assert_close(fast_logits, ref_logits, atol=1e-4, rtol=0)
+            if step == steps - 1:
+                break
+            token = ref_logits.argmax(-1, keepdim=True)  # both fed the same token
+            width = p + step + 1
+            pos = positions[:, -1:] + step + 1
+            fast_logits = fast.decode(token, full_mask[:, :width], pos)
+            ref_logits = ref.decode(token, full_mask[:, :width], pos)
+    assert fast.length == ref.cache.get_seq_length() == p + steps - 1
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_sampled_tokens_match_the_reference_under_one_seed(models, batch, family: str) -> None:
+    model, (ids, mask) = models[family], batch
+    params = SamplingParams(max_new_tokens=12, pad_token_id=PAD, temperature=0.8, top_k=20, top_p=0.9)
+    fast = generate(model, ids, mask, params, torch.Generator().manual_seed(7), fast=True)
+    ref = generate(model, ids, mask, params, torch.Generator().manual_seed(7), fast=False)
+    other = generate(model, ids, mask, params, torch.Generator().manual_seed(8), fast=True)
+    assert torch.equal(fast.sequences, ref.sequences)
+    assert not torch.equal(fast.sequences, other.sequences)  # the seed does drive the draws
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_greedy_matches_the_reference(tok, batch, family: str) -> None:
+    model, (ids, mask) = _build(family, tok, torch.bfloat16), batch
+    fast = generate(model, ids, mask, _greedy(10), fast=True)
+    ref = generate(model, ids, mask, _greedy(10), fast=False)
+    assert torch.equal(fast.sequences, ref.sequences)
+
+
+def test_scaled_rope_comes_from_the_models_rotary_module(tok, batch) -> None:
+    ids, mask = batch
+    # YaRN rescales frequencies and multiplies cos/sin by an attention factor (~1.14 here).
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    config = tiny_config("llama", vocab_size=len(tok))
+    config.rope_parameters = rope
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.model.rotary_emb.attention_scaling > 1.1 and fast_decode_unsupported_reason(model) is None
+    decoder = FastLlamaDecoder(model, ids.shape[0], 32)
+    cos, _ = model.model.rotary_emb(torch.empty(0), torch.arange(32)[None])
+    assert torch.equal(decoder.cos, cos[0])
+    fast = generate(model, ids, mask, _greedy(10), fast=True)
+    assert torch.equal(fast.sequences, generate(model, ids, mask, _greedy(10), fast=False).sequences)
+    default_rope = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tok))).eval()
+    default_rope.load_state_dict(model.state_dict())
+    assert not torch.equal(fast.sequences, generate(default_rope, ids, mask, _greedy(10), fast=True).sequences)
+
+
+def _fallback_models(tok) -> dict[str, tuple[PreTrainedModel, str]]:
+    """Models the fast decoder must refuse, with a word of the expected reason."""
+    sliding = tiny_config("mistral", vocab_size=len(tok))
+    sliding.sliding_window = 5
+    dynamic = LlamaConfig(**{**tiny_config("llama", vocab_size=len(tok)).to_dict(),
+                             "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}})
+    hooked = build_tiny_model("llama", tok, seed=0).eval()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, out: None)
+    torch.manual_seed(0)
+    return {
+        "opt": (build_tiny_model("opt", tok, seed=0).eval(), "model type"),
+        "gpt2": (build_tiny_model("gpt2", tok, seed=0).eval(), "model type"),
+        "sliding": (AutoModelForCausalLM.from_config(sliding).eval(), "window"),
+        "dynamic rope": (AutoModelForCausalLM.from_config(dynamic).eval(), "rope type"),
+        "hooks": (hooked, "hooks"),
+        "training": (build_tiny_model("llama", tok, seed=0).train(), "training"),
+    }
+
+
+def test_unsupported_models_take_the_hf_forward(tok, batch) -> None:
+    ids, mask = batch
+    for name, (model, word) in _fallback_models(tok).items():
+        reason = fast_decode_unsupported_reason(model)
+        assert reason is not None and word in reason, (name, reason)
+        assert isinstance(select_runner(model, ids.shape[0], ids.shape[1] + 4), HFForwardRunner)
+        with pytest.raises(ValueError, match=word):
+            generate(model, ids, mask, _greedy(4), fast=True)
+        if name != "training":  # dropout-free configs, so "auto" must equal the reference exactly
+            auto = generate(model, ids, mask, _greedy(6))
+            assert torch.equal(auto.sequences, generate(model, ids, mask, _greedy(6), fast=False).sequences)
+
+
+class _SyncCounter(TorchDispatchMode):
+    """Counts ops that make the host wait for a device value (`.item()`, `bool(t)`, `nonzero`)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "_assert_async")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in func.__name__ for name in self.SYNCING):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fast_decode_steps_do_not_sync_with_the_host(models, batch) -> None:
+    model, (ids, mask) = models["llama"], batch
+
+    def syncs(max_new: int) -> int:
+        params = SamplingParams(max_new_tokens=max_new, pad_token_id=PAD, top_k=5, top_p=0.9, sync_every=0)
+        with _SyncCounter() as counter:
+            generate(model, ids, mask, params, generator=torch.Generator().manual_seed(0), fast=True)
+        return counter.count
+
+    assert syncs(12) == syncs(1)
+
+
+def test_fast_path_stops_at_a_sync_point_once_every_row_finished(models, batch, monkeypatch) -> None:
+    model, (ids, mask) = models["mistral"], batch
+    p = ids.shape[1]
+    eos = sorted(set(generate(model, ids, mask, _greedy(3), fast=True).sequences[:, p + 1].tolist()))
+    calls = []
+    decode = fast_decode.FastLlamaDecoder.decode
+    monkeypatch.setattr(
+        fast_decode.FastLlamaDecoder, "decode", lambda self, *args: calls.append(1) or decode(self, *args)
+    )
+    early = generate(model, ids, mask, _greedy(20, eos_token_id=eos, sync_every=2), fast=True)
+    n_early = len(calls)
+    full = generate(model, ids, mask, _greedy(20, eos_token_id=eos, sync_every=0), fast=True)
+    assert (n_early, len(calls) - n_early) == (1, 19)  # every row done after step 1, vs all 19 steps
+    assert torch.equal(early.sequences, full.sequences) and early.finished.all()
+
+
+def test_weights_are_read_from_the_model_not_copied_where_no_fusion_is_needed(models, batch) -> None:
+    qwen = models["qwen2"]  # tied embeddings: lm_head is the embedding table
+    decoder = FastLlamaDecoder(qwen, 2, 8)
+    assert decoder.lm_head.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
+    layer, attn = decoder.layers[0], qwen.model.layers[0].self_attn
+    assert layer.wo.data_ptr() == attn.o_proj.weight.data_ptr()
+    assert torch.equal(layer.wqkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(layer.bqkv, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))

@@ -124,9 +124,15 @@ def decode_step(
 class StepRunner(Protocol):
     """One rollout's forward passes: `prefill` once, then `decode` once per new token."""
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Left-padded prompts [B, P] -> [B, V] logits of the last position; fills the cache."""
+        ...
 
-    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One token per sequence [B, 1]; `attention_mask` [B, cached + 1] -> [B, V] next logits."""
+        ...
 
 
 class HFForwardRunner:
@@ -136,7 +142,9 @@ class HFForwardRunner:
         self.model = model
         self.cache = RolloutKVCache(model.config, max_cache_len=max_len)
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         return prefill(self.model, input_ids, attention_mask, position_ids, self.cache)
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -110,30 +110,45 @@ def decode_bytes(model: PreTrainedModel, batch: int, prompt: int, new: int) -> i
     return weights * (new - 1) + kv
 
 
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall-clock seconds of fn() after warm-up."""
+def timed(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+    """Median wall-clock seconds of each fn() after warm-up.
+
+    The timed runs alternate between the functions (a, b, a, b, ...) so that a change in the
+    machine's load during the benchmark (a shared CPU) weighs on every side alike.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    times = []
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure(run: Callable[[int], torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Total time for --new tokens, prefill time (one token) and per-decode-step time."""
-    out = run(args.new)
-    if out.shape != (args.batch, args.prompt + args.new):
-        raise RuntimeError(f"expected {args.new} new tokens per sequence, got output of shape {tuple(out.shape)}")
-    total = timed(lambda: run(args.new), device, args.warmup, args.repeats)
-    prefill = timed(lambda: run(1), device, args.warmup, args.repeats)
-    step = (total - prefill) / max(args.new - 1, 1)
-    return {"total_s": total, "prefill_s": prefill, "step_s": step, "tokens_per_s": args.batch * args.new / total}
+def measure(
+    runs: dict[str, Callable[[int], torch.Tensor]], args: argparse.Namespace, device: torch.device
+) -> dict[str, dict[str, float]]:
+    """Per run: total time for --new tokens, prefill time (one token) and per-decode-step time."""
+    for name, run in runs.items():
+        out = run(args.new)
+        if out.shape != (args.batch, args.prompt + args.new):
+            raise RuntimeError(f"{name}: expected {args.new} new tokens per sequence, got shape {tuple(out.shape)}")
+    totals = timed({name: (lambda r=run: r(args.new)) for name, run in runs.items()}, device, args.warmup, args.repeats)
+    prefills = timed({name: (lambda r=run: r(1)) for name, run in runs.items()}, device, args.warmup, args.repeats)
+    results = {}
+    for name in runs:
+        total, prefill = totals[name], prefills[name]
+        step = (total - prefill) / max(args.new - 1, 1)
+        results[name] = {
+            "total_s": total, "prefill_s": prefill, "step_s": step, "tokens_per_s": args.batch * args.new / total,
+        }
+    return results
 
 
 def main() -> None:
@@ -176,9 +191,7 @@ def main() -> None:
         f"prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}; ours: {path} path"
         + (f" ({unsupported})" if path == "hf_forward" and unsupported else "")
     )
-    results = {"ours": measure(ours, args, device)}
-    if not args.no_hf:
-        results["hf"] = measure(hf, args, device)
+    results = measure({"ours": ours} if args.no_hf else {"ours": ours, "hf": hf}, args, device)
     step_bytes = decode_bytes(model, args.batch, args.prompt, args.new)
     for name, r in results.items():
         r["decode_gbs"] = step_bytes / (r["step_s"] * max(args.new - 1, 1)) / 1e9 if r["step_s"] > 0 else 0.0

@@ -8,7 +8,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from rlhf.engine import fast_decode
-from rlhf.engine.fast_decode import FastLlamaDecoder, apply_rope, fast_decode_unsupported_reason, rms_norm
+from rlhf.engine.fast_decode import (
+    FastLlamaDecoder,
+    apply_rope,
+    fast_decode_unsupported_reason,
+    rms_norm,
+    signed_sin,
+)
 from rlhf.engine.generation import HFForwardRunner, generate, select_runner
 from rlhf.engine.sampling import SamplingParams
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_model, tiny_config
@@ -64,9 +70,14 @@ def test_pure_math_against_hand_values() -> None:
     assert torch.allclose(out, torch.tensor([[3.0, 8.0]]) / 12.5**0.5)
     # Rotate-half convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per frequency.
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    cos, sin = torch.tensor([0.5, 0.5, 0.5, 0.5]), torch.tensor([0.25, 0.25, 0.25, 0.25])
-    expected = torch.tensor([1 * 0.5 - 3 * 0.25, 2 * 0.5 - 4 * 0.25, 3 * 0.5 + 1 * 0.25, 4 * 0.5 + 2 * 0.25])
-    assert torch.allclose(apply_rope(x, cos, sin), expected)
+    cos, sin = torch.tensor([0.5, 0.25, 0.5, 0.25]), torch.tensor([0.5, 0.75, 0.5, 0.75])
+    assert signed_sin(sin).tolist() == [-0.5, -0.75, 0.5, 0.75]
+    expected = torch.tensor([1 * 0.5 - 3 * 0.5, 2 * 0.25 - 4 * 0.75, 3 * 0.5 + 1 * 0.5, 4 * 0.25 + 2 * 0.75])
+    assert torch.equal(apply_rope(x, cos, signed_sin(sin)), expected)
+    # Bit for bit HF's rotate-half form on random values.
+    x, cos, sin = torch.randn(3, 5, 8), torch.randn(5, 8), torch.randn(5, 8)
+    hf = x * cos + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin
+    assert torch.equal(apply_rope(x, cos, signed_sin(sin)), hf)
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES)

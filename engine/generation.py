@@ -237,6 +237,8 @@ def generate(
     steps_run = max_new
     for step in range(max_new):
         col = prompt_len + step
+        if step < params.min_new_tokens and eos_ids.numel():
+            logits = logits.index_fill(-1, eos_ids, float("-inf"))
         token = sample_next_token(logits, params, generator)
         token = torch.where(finished, params.pad_token_id, token)
         sequences[:, col] = token

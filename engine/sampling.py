@@ -32,6 +32,8 @@ class SamplingParams:
     """Keep only the k most likely tokens (ties with the k-th kept); 0 disables."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches top_p; 1.0 disables."""
+    min_new_tokens: int = 0
+    """EOS is suppressed until this many tokens have been generated (HF's MinNewTokensLengthLogitsProcessor)."""
     sync_every: int = 8
     """Check on the host whether every sequence has finished once per this many decode steps
     (the only host synchronisation of the loop); 0 never checks and always runs max_new_tokens."""
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.sync_every < 0:
             raise ValueError(f"SamplingParams.sync_every must be >= 0, got {self.sync_every}")
 

@@ -205,6 +205,8 @@ class PPOConfig(RunConfig):
     """Rollout samples per rank per PPO iteration (the experience batch; a TP group generates tp times this)."""
     ppo_epochs: int = 1
     """Passes over each iteration's experience (TRL: 4; DeepSpeed-Chat: 1)."""
+    min_new_tokens: int = 0
+    """Suppress EOS until this many response tokens (e.g. to forbid empty responses, or for benchmarks)."""
     temperature: float = 1.0
     """Sampling temperature of rollouts."""
     top_k: int = 0

@@ -64,7 +64,7 @@ def main() -> None:
     rlhf_main([
         "ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(root / "prompts.jsonl"),
         "--output", str(out), "--max-steps", str(args.iterations), "--generation-batch-size", str(args.batch),
-        "--micro-batch-size", str(args.micro_batch_size), "--max-new-tokens", str(args.new_tokens),
+        "--micro-batch-size", str(args.micro_batch_size), "--max-new-tokens", str(args.new_tokens), "--min-new-tokens", str(args.new_tokens),
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0",

@@ -207,7 +207,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
             tracker.metrics.truncate_after(start_iteration)
 
     sampling = SamplingParams(
-        max_new_tokens=config.max_new_tokens, do_sample=not config.greedy, temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, do_sample=not config.greedy, temperature=config.temperature,
         top_k=config.top_k, top_p=config.top_p, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     group_index, tp_rank = ctx.rank // tp, ctx.rank % tp

@@ -385,3 +385,28 @@ def test_tensor_parallel_model_generates_like_the_single_process_one() -> None:
         is_dtensor, greedy_equal, _ = by_rank[rank]
         assert is_dtensor and greedy_equal
     assert by_rank[0][2] == by_rank[1][2]  # one generator seed on both ranks -> same samples
+
+
+def test_min_new_tokens_suppresses_eos_until_reached():
+    from rlhf.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    eos = tok.eos_token_id
+    model = build_tiny_model("llama", tok, seed=0, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2).eval()
+    with torch.no_grad():  # a huge EOS row: EOS is sampled early in many rows
+        model.lm_head.weight[eos] *= 100.0
+    ids = torch.randint(3, 100, (64, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+
+    def first_eos(min_new: int) -> torch.Tensor:
+        params = SamplingParams(max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD, min_new_tokens=min_new)
+        out = generate(model, ids, mask, params, torch.Generator().manual_seed(1))
+        gen = out.sequences[:, 5:]
+        hit = gen == eos
+        return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full((64,), 99.0))
+
+    free = first_eos(0)
+    assert (free < 3).sum() > 5, "the test needs early EOS without min_new_tokens"
+    held = first_eos(3)
+    assert (held >= 3).all()
+    assert (held == 3).sum() > 5  # EOS comes as soon as it is allowed

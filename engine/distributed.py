@@ -42,8 +42,6 @@ class DistributedContext:
     @classmethod
     def initialize(cls, timeout_minutes: float = 30.0) -> "DistributedContext":
         """Join (or create) the default process group from torchrun's environment, or alone."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         use_cuda = torch.cuda.is_available() and os.environ.get("RLHF_FORCE_CPU") != "1"
         if use_cuda:

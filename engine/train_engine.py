@@ -87,7 +87,7 @@ class TrainEngine:
         self.ctx = ctx
         self.name = name
         self.dtype = resolve_dtype(config.dtype, ctx.device)
-        if self.dtype != "fp32" and ctx.device.type == "cpu" and self.dtype == "fp16":
+        if self.dtype == "fp16" and ctx.device.type == "cpu":
             log.warning("%s: fp16 on CPU is slow and only meant for testing", name)
         self.grad_accum: int = config.grad_accum or 1
         self.model = apply_fsdp(

@@ -6,8 +6,6 @@ you type as "prompt ||| response".
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import click
 import torch
@@ -19,16 +17,12 @@ from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams
 from rlhf.errors import UserError
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-
-
-def _is_value_model(model_dir: str) -> bool:
-    config = Path(model_dir) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("rlhf_model_type") == "value"
+from rlhf.models.value_model import is_value_model_dir
 
 
 def chat(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
     tokenizer = load_tokenizer(model_dir)
-    if _is_value_model(model_dir):
+    if is_value_model_dir(model_dir):
         from rlhf.models.value_model import load_value_model
 
         scorer = load_value_model(model_dir).eval()

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from tqdm import tqdm
 
 from rlhf.engine.checkpoint import Checkpointer
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.train_engine import TrainEngine
-from rlhf.config import StageConfig
+from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.config import RunConfig, StageConfig
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.outputs import prepare_output
 from rlhf.tracking import Tracker
 
 log = get_logger(__name__)
@@ -44,6 +46,15 @@ class LoopResult:
     last_metrics: dict[str, float] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
     train_seconds: float = 0.0
+
+
+def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
+    """Check the batch arithmetic, claim the output folder (rank 0) and seed: every stage's preamble."""
+    resolve_batch_size(config.engine, ctx.world_size, stage)
+    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
+    ctx.barrier()
+    torch.manual_seed(config.engine.seed)
+    return output
 
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int) -> tuple[BatchPlan, int]:

@@ -37,14 +37,15 @@ from rlhf.engine.inference import FrozenModel, causal_lm_logprobs, position_ids_
 from rlhf.engine.logprobs import entropy_from_logits_chunked
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
-from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
 from rlhf.experience import Experience, build_experience, global_whiten, mean_kl_per_sequence, shaped_scores
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.models.value_model import MODEL_TYPE_KEY, ValueModel, load_value_model
-from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
+from rlhf.models.value_model import load_value_model, value_model_from
+from rlhf.outputs import mark_done, write_config, write_summary
 from rlhf.tracking import Tracker
+from rlhf.trainer import start_stage
 
 log = get_logger(__name__)
 
@@ -58,14 +59,6 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     return model
-
-
-def load_critic(path: str) -> ValueModel:
-    """A value model folder as is, or a causal LM folder with a fresh value head."""
-    config_file = Path(path) / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get(MODEL_TYPE_KEY) == "value":
-        return load_value_model(path, dtype=torch.float32)
-    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32)
 
 
 def reward_statistics(reward_path: str, normalize: bool) -> tuple[float, float, bool]:
@@ -133,20 +126,16 @@ def run(config: PPOConfig) -> dict[str, Any]:
     if config.engine.train_batch_size is None and config.engine.grad_accum is None:
         config.engine.train_batch_size = experience_global  # one minibatch per PPO epoch by default
         config.engine.micro_batch_size = min(config.engine.micro_batch_size, G)
-    resolve_batch_size(config.engine, ctx.world_size, "ppo")
+    output = start_stage(config, ctx, "ppo")
     if experience_global % config.engine.train_batch_size:
         raise UserError(
             f"--train-batch-size {config.engine.train_batch_size} must divide the experience batch "
             f"generation_batch_size {G} x world size {ctx.world_size} = {experience_global}"
         )
-    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
-    ctx.barrier()
-    torch.manual_seed(config.engine.seed)
 
     # --- data
     tokenizer = load_tokenizer(config.actor, "--actor")
     prompts = Prompts(config, tokenizer)
-    groups = ctx.world_size // tp
     prompts_per_iteration = experience_global  # every rank ends with G rollouts
     iterations_per_epoch = len(prompts.ids) // prompts_per_iteration
     if iterations_per_epoch == 0:
@@ -170,7 +159,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
     critic_path = config.critic or config.reward
     if not critic_path:
         raise UserError("--critic is required with --reward-fn (a causal LM or value model folder, e.g. the SFT model)")
-    critic = TrainEngine(disable_dropout(load_critic(critic_path)), critic_cfg, ctx, total_optimizer_steps, "critic")
+    critic = TrainEngine(disable_dropout(value_model_from(critic_path, flag="--critic")), critic_cfg, ctx, total_optimizer_steps, "critic")
     ref = FrozenModel(load_causal_lm(config.ref or config.actor, "--ref"), ctx, config.engine.zero_stage,
                       actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref")
     reward_model: FrozenModel | None = None
@@ -262,6 +251,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
         t2 = time.perf_counter()
         actor.train(), critic.train()
         sums: dict[str, float] = {}
+        micro_steps = optimizer_steps = 0
         for ppo_epoch in range(config.ppo_epochs):
             perm = torch.randperm(G, generator=torch.Generator().manual_seed(config.engine.seed + iteration * 31 + ppo_epoch))
             for mb_start in range(0, G, per_rank_minibatch):
@@ -271,7 +261,9 @@ def run(config: PPOConfig) -> dict[str, Any]:
                     step_metrics = ppo_micro_step(actor, critic, part, config, ptx_rows, tokenizer.pad_token_id, iteration)
                     for k, v in step_metrics.items():
                         sums[k] = sums.get(k, 0.0) + v
+                    micro_steps += 1
                 actor_step, critic_step = actor.step(), critic.step()
+                optimizer_steps += 1
                 sums["actor_grad_norm"] = sums.get("actor_grad_norm", 0.0) + actor_step.grad_norm
                 sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + critic_step.grad_norm
         training_s = time.perf_counter() - t2
@@ -283,8 +275,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
         # 4. metrics (global over ranks)
         kl_seq = float(ctx.all_reduce_sum(mean_kl_per_sequence(exp).detach().double())) / ctx.world_size
         kl_ctl.update(kl_seq, experience_global)
-        n_updates = config.ppo_epochs * minibatches * (per_rank_minibatch // micro if per_rank_minibatch >= micro else 1)
-        metrics = iteration_metrics(exp, ctx, sums, n_updates, config.ppo_epochs * minibatches)
+        metrics = iteration_metrics(exp, ctx, sums, micro_steps, optimizer_steps)
         total_s = generation_s + experience_s + training_s
         response_tokens = float(ctx.all_reduce_sum(exp.action_mask.sum().double()))
         metrics.update(

@@ -20,10 +20,8 @@ training: PPO normalises rewards with them.
 
 from __future__ import annotations
 
-import json
 import math
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +31,7 @@ from rlhf.engine.checkpoint import Checkpointer
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.export import export_model
 from rlhf.engine.fsdp import local_parameter_count
-from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.engine.train_engine import TrainEngine
 from rlhf.algorithms.losses import pairwise_reward_loss
 from rlhf.config import RewardConfig, to_dict
 from rlhf.data.batching import collate_pairs
@@ -43,10 +41,10 @@ from rlhf.data.tokenization import tokenize_pairs
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
-from rlhf.models.value_model import MODEL_TYPE_KEY, VALUE_MODEL_TYPE, ValueModel, load_value_model
-from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
+from rlhf.models.value_model import value_model_from
+from rlhf.outputs import mark_done, write_config, write_summary
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, plan_total_steps, run_training
+from rlhf.trainer import evaluate, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 
@@ -113,24 +111,10 @@ def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], li
     return train, held_out, counts
 
 
-def load_reward_model(path: str, head_init_std: float) -> ValueModel:
-    """A causal LM folder gets a new value head; a reward/value model folder keeps its own."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"--model {path}: no config.json; pass a Hugging Face model folder (e.g. runs/sft/model)")
-    if json.loads(config_file.read_text()).get(MODEL_TYPE_KEY) == VALUE_MODEL_TYPE:
-        log.info("--model %s is a value model: continuing from its head", path)
-        return load_value_model(path, dtype=torch.float32)
-    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)
-
-
 def run(config: RewardConfig) -> dict[str, Any]:
     """Train, evaluate and export a reward model (collective: every rank calls it); returns the summary."""
     ctx = DistributedContext.initialize()
-    resolve_batch_size(config.engine, ctx.world_size)
-    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
-    ctx.barrier()
-    torch.manual_seed(config.engine.seed)
+    output = start_stage(config, ctx, "reward")
 
     tokenizer = load_tokenizer(config.model)
     train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
@@ -138,7 +122,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
     log.info("reward: %d train pairs, %d eval pairs, %d optimizer steps of %d pairs",
              len(train_rows), len(eval_rows), total_steps, plan.global_batch_size)
 
-    model = load_reward_model(config.model, config.value_head_init_std)
+    model = value_model_from(config.model, config.value_head_init_std)
     # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
     # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
     # random steps (a drifting score offset). It is kept fixed, as DeepSpeed-Chat's bias-free head.

@@ -10,7 +10,6 @@ export of <output>/model (Hugging Face format) -> summary.json -> DONE.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from rlhf.engine.checkpoint import Checkpointer
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.export import export_model
 from rlhf.engine.fsdp import local_parameter_count
-from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.engine.train_engine import TrainEngine
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.config import SFTConfig, to_dict
 from rlhf.data.batching import collate_sft
@@ -30,9 +29,9 @@ from rlhf.data.tokenization import tokenize_sft
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
+from rlhf.outputs import mark_done, write_config, write_summary
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, plan_total_steps, run_training
+from rlhf.trainer import evaluate, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 
@@ -66,10 +65,7 @@ def load_sft_rows(config: SFTConfig, tokenizer: Any) -> tuple[list[dict], list[d
 
 def run(config: SFTConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
-    resolve_batch_size(config.engine, ctx.world_size)
-    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
-    ctx.barrier()
-    torch.manual_seed(config.engine.seed)
+    output = start_stage(config, ctx, "sft")
 
     tokenizer = load_tokenizer(config.model)
     train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer)

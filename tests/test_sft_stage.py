@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.cli import main

@@ -271,3 +271,19 @@ def load_value_model(path: str | Path, dtype: torch.dtype | None = None) -> Valu
     head = {k: v.to(model.value_head.weight.dtype) for k, v in head.items()}
     model.value_head.load_state_dict(head)
     return model
+
+
+def is_value_model_dir(path: str | Path) -> bool:
+    """True when `path` holds a model saved by `ValueModel.save_pretrained`."""
+    config_file = Path(path) / "config.json"
+    return config_file.is_file() and json.loads(config_file.read_text()).get(MODEL_TYPE_KEY) == VALUE_MODEL_TYPE
+
+
+def value_model_from(path: str | Path, head_init_std: float = 0.0, flag: str = "--model") -> ValueModel:
+    """A value/reward model folder as it is (head included), or a causal LM folder with a new head."""
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"{flag} {path}: no config.json; pass a Hugging Face model folder (e.g. runs/sft/model)")
+    if is_value_model_dir(path):
+        logger.info("%s %s is a value model: continuing from its head", flag, path)
+        return load_value_model(path, dtype=torch.float32)
+    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)

@@ -94,19 +94,11 @@ class Prompts:
         parsed = [parse_row(r) for r in raw]
         ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
         stats.log("ppo prompts")
-        kept = [row for row, n in zip(parsed, prompt_lengths(parsed, tokenizer)) if n <= config.max_prompt_len]
         self.ids: list[list[int]] = ids
-        self.texts: list[str] = [row.prompt[-1]["content"] for row in kept]
+        self.texts: list[str] = [parsed[i].prompt[-1]["content"] for i in stats.kept_indices]
         self.stats = stats.as_dict()
         if not self.ids:
             raise UserError(f"--data {' '.join(config.data.data)}: no prompts of at most {config.max_prompt_len} tokens")
-
-
-def prompt_lengths(rows: list[Any], tokenizer: Any) -> list[int]:
-    from rlhf.data.formats import render_prompt
-    from rlhf.data.tokenization import encode_prompt
-
-    return [len(encode_prompt(render_prompt(r.prompt, tokenizer), tokenizer)) for r in rows]
 
 
 # ------------------------------------------------------------------ the stage
@@ -118,6 +110,9 @@ def run(config: PPOConfig) -> dict[str, Any]:
         raise UserError("--actor is required: the policy to train (e.g. the SFT stage's <output>/model)")
     if not config.reward and not config.reward_fn:
         raise UserError("--reward (a reward model folder) or --reward-fn TASK is required")
+    critic_path = config.critic or config.reward
+    if not critic_path:
+        raise UserError("--critic is required with --reward-fn (a causal LM or value model folder, e.g. the SFT model)")
     tp = config.inference_tp_size
     if tp < 1 or ctx.world_size % tp:
         raise UserError(f"--inference-tp-size {tp} must divide the world size {ctx.world_size}")
@@ -156,9 +151,6 @@ def run(config: PPOConfig) -> dict[str, Any]:
     actor_cfg = engine_config_for(config, config.actor_zero_stage, None)
     critic_cfg = engine_config_for(config, config.critic_zero_stage, config.critic_lr)
     actor = TrainEngine(disable_dropout(load_causal_lm(config.actor, "--actor")), actor_cfg, ctx, total_optimizer_steps, "actor")
-    critic_path = config.critic or config.reward
-    if not critic_path:
-        raise UserError("--critic is required with --reward-fn (a causal LM or value model folder, e.g. the SFT model)")
     critic = TrainEngine(disable_dropout(value_model_from(critic_path, flag="--critic")), critic_cfg, ctx, total_optimizer_steps, "critic")
     ref = FrozenModel(load_causal_lm(config.ref or config.actor, "--ref"), ctx, config.engine.zero_stage,
                       actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref")

@@ -21,6 +21,8 @@ class TokenizeStats:
     kept: int = 0
     truncated: int = 0
     dropped: Counter = field(default_factory=Counter)
+    kept_indices: list[int] = field(default_factory=list)
+    """Positions (in the input rows) of the rows that were kept, in order."""
 
     def log(self, what: str) -> None:
         dropped = sum(self.dropped.values())
@@ -111,11 +113,12 @@ def tokenize_prompts(
     """Prompt ids for generation; prompts over max_prompt_len are dropped and counted."""
     stats = TokenizeStats()
     out = []
-    for row in rows:
+    for i, row in enumerate(rows):
         ids = encode_prompt(render_prompt(row.prompt, tokenizer), tokenizer)
         if len(ids) > max_prompt_len:
             stats.dropped["prompt longer than max_prompt_len"] += 1
             continue
         out.append(ids)
         stats.kept += 1
+        stats.kept_indices.append(i)
     return out, stats

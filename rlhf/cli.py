@@ -238,10 +238,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
 _register_stages()
 
 
+def _shutdown_distributed() -> None:
+    """After a successful multi-process command: wait for every rank, then tear the group down."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one `error:` line and exit code 2."""
     try:
         cli.main(args=argv, prog_name="rlhf", standalone_mode=False)
+        _shutdown_distributed()
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)

@@ -372,6 +372,7 @@ def _tp_worker(rank: int, world: int, port: int, results) -> None:
         tp_sampled = generate(model, enc.input_ids, enc.attention_mask, sampling, seeded).sequences
         is_dtensor = isinstance(model.lm_head.weight, DTensor)
         results.put((rank, is_dtensor, torch.equal(tp_greedy, single), tp_sampled.tolist()))
+        dist.barrier()  # no rank tears gloo down while its peer is still communicating
     finally:
         dist.destroy_process_group()
 

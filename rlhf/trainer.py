@@ -28,7 +28,7 @@ from rlhf.config import RunConfig, StageConfig
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.outputs import prepare_output
+from rlhf.outputs import mark_done, prepare_output, write_summary
 from rlhf.tracking import Tracker
 
 log = get_logger(__name__)
@@ -55,6 +55,16 @@ def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
     ctx.barrier()
     torch.manual_seed(config.engine.seed)
     return output
+
+
+def finish_stage(ctx: DistributedContext, output: Path, tracker: Tracker, summary: dict[str, Any]) -> None:
+    """summary.json, tracker summary, then DONE (last, atomically); every rank waits for it."""
+    if ctx.is_main:
+        write_summary(output, summary)
+        tracker.summary(summary)
+        mark_done(output)
+    tracker.finish()
+    ctx.barrier()
 
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int) -> tuple[BatchPlan, int]:

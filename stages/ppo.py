@@ -43,9 +43,9 @@ from rlhf.experience import Experience, build_experience, global_whiten, mean_kl
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.value_model import load_value_model, value_model_from
-from rlhf.outputs import mark_done, write_config, write_summary
+from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import start_stage
+from rlhf.trainer import finish_stage, start_stage
 
 log = get_logger(__name__)
 
@@ -303,12 +303,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
         "inference_tp_size": tp, "train_seconds": time.perf_counter() - started, "prompts": len(prompts.ids),
         "data": prompts.stats, **{k: v for k, v in last.items() if isinstance(v, (int, float))},
     }
-    if ctx.is_main:
-        write_summary(output, summary)
-        tracker.summary(summary)
-        mark_done(output)
-    tracker.finish()
-    ctx.barrier()
+    finish_stage(ctx, output, tracker, summary)
     return summary
 
 

@@ -42,9 +42,9 @@ from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import value_model_from
-from rlhf.outputs import mark_done, write_config, write_summary
+from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, plan_total_steps, run_training, start_stage
+from rlhf.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 
@@ -187,10 +187,5 @@ def run(config: RewardConfig) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in engine.model.parameters()),
         "local_parameters_rank0": local_parameter_count(engine.model),
     }
-    if ctx.is_main:
-        write_summary(output, summary)
-        tracker.summary(summary)
-        mark_done(output)
-    tracker.finish()
-    ctx.barrier()
+    finish_stage(ctx, output, tracker, summary)
     return summary

@@ -29,9 +29,9 @@ from rlhf.data.tokenization import tokenize_sft
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.outputs import mark_done, write_config, write_summary
+from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, plan_total_steps, run_training, start_stage
+from rlhf.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 
@@ -109,10 +109,5 @@ def run(config: SFTConfig) -> dict[str, Any]:
         **({"eval_loss": result.eval_metrics["loss"], "eval_perplexity": result.eval_metrics["perplexity"]}
            if result.eval_metrics else {}),
     }
-    if ctx.is_main:
-        write_summary(output, summary)
-        tracker.summary(summary)
-        mark_done(output)
-    tracker.finish()
-    ctx.barrier()
+    finish_stage(ctx, output, tracker, summary)
     return summary

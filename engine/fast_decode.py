@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 
 __all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "rms_norm", "apply_rope", "signed_sin"]
 
@@ -185,9 +188,17 @@ class FastLlamaDecoder:
     Built per generate() call: it gathers the weights (q/k/v and gate/up fused), tabulates
     RoPE for positions [0, max_len) and allocates the KV cache. `prefill` then `decode` mirror
     `generation.prefill` / `generation.decode_step` and return [batch, vocab] logits.
+
+    Decode steps run the fused CPU op (engine/cpu_decode.py) where it can run this model:
+    `cpu_kernel` "auto" uses it when it is supported and builds, True insists (ValueError
+    naming the reason otherwise), False keeps the Python step (the reference). `kernel_isa`
+    says which kernels the op uses ("avx2", "scalar"; None: the Python step).
     """
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, batch: int, max_len: int,
+        cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
+    ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastLlamaDecoder cannot run this model: {reason}")
@@ -222,6 +233,31 @@ class FastLlamaDecoder:
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
         self.length = 0  # tokens written so far (a host int: no step reads a device value)
         self.max_len = max_len
+        self._kernel_step = self._build_kernel_step(cpu_kernel, kernel_isa) if cpu_kernel is not False else None
+        self.kernel_isa: str | None = None if self._kernel_step is None else self._kernel_step.isa
+
+    def _build_kernel_step(self, cpu_kernel: bool | Literal["auto"], isa: str) -> Any:
+        """The fused CPU decode step over this decoder's weights, tables and cache, or None."""
+        reason = cpu_decode_unsupported_reason(self.embed.device, self.embed.dtype, self.act)
+        module = load_cpu_decode_op() if reason is None else None
+        if reason is None and module is None:
+            reason = "the rlhf_cpu_decode op could not be built (see the warning above)"
+        if reason is not None:
+            if cpu_kernel is True:
+                raise ValueError(f"FastLlamaDecoder(cpu_kernel=True): {reason}")
+            return None
+        none = self.embed.new_empty(0)  # the op's "no bias"
+        tensors, eps = [], []
+        for w in self.layers:
+            tensors += [w.input_norm, w.wqkv, w.bqkv, w.wo, w.bo, w.post_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down]
+            eps += [w.input_eps, w.post_eps]
+        return module.LlamaDecodeStep(
+            self.embed.contiguous(), [none if t is None else t.contiguous() for t in tensors], eps,
+            self.norm.contiguous(), self.norm_eps, self.lm_head.contiguous(),
+            none if self.lm_head_bias is None else self.lm_head_bias.contiguous(),
+            self.cos.contiguous(), self.sin_signed.contiguous(), self.keys, self.values,
+            self.num_heads, self.num_kv_heads, self.scaling, isa,
+        )
 
     def _attention(
         self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
@@ -305,5 +341,9 @@ class FastLlamaDecoder:
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One token per sequence [B, 1] at `position_ids` [B, 1]; `attention_mask` [B, cached + 1]."""
+        if self._kernel_step is not None:
+            logits = self._kernel_step.step(tokens, position_ids, attention_mask, self.length)
+            self.length += 1
+            return logits
         # Additive, made once per step: SDPA would otherwise convert a boolean mask in every layer.
         return self._forward(tokens, position_ids, self._additive(attention_mask.bool()[:, None, None, :]))

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/cpu_features.h"
 #include "adam_checks.h"
 #include "cpu_adam.h"
 
@@ -24,22 +25,8 @@ namespace {
 // hundred chunks spread evenly over threads when tensors have very different sizes.
 constexpr int64_t kChunk = 1 << 16;
 
-bool cpu_has_avx2() {
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx512() {
-  // libgcc's CPU probe also checks (via xgetbv) that the OS saves the AVX-512 registers.
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
+using rlhf::cpu_has_avx2;
+using rlhf::cpu_has_avx512;
 
 // The kernels this machine can run, widest last.
 std::vector<std::string> supported_isas() {

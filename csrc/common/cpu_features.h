@@ -1,0 +1,23 @@
+// Runtime CPU feature checks shared by the CPU ops (fused Adam, the CPU decode step).
+#pragma once
+
+namespace rlhf {
+
+inline bool cpu_has_avx2() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_has_avx512() {
+  // libgcc's CPU probe also checks (via xgetbv) that the OS saves the AVX-512 registers.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+}  // namespace rlhf

@@ -1,0 +1,285 @@
+// Torch binding of the CPU decode step (module `rlhf_cpu_decode`): one call runs a whole
+// decode step of a Llama-family model (Llama, Qwen2, Mistral) for float32 on the CPU.
+//
+// LlamaDecodeStep is built once per rollout over the weights engine/fast_decode.py gathers
+// (q/k/v and gate/up fused, optional biases), its RoPE tables and its preallocated KV cache;
+// step() then takes one token per sequence and returns the next-token logits. Per layer it
+// runs four matmuls through ATen (MKL: two of them add straight into the residual stream) and
+// three kernels of its own on torch's intra-op threads: RMSNorm, SiLU(gate) * up, and one
+// pass that applies RoPE, writes the new key and value into the cache and attends, per
+// (sequence, KV head). This replaces the ~40 small PyTorch ops a layer costs in Python, which
+// dominate a decode step of a small model. fast_decode.py's Python step is the reference.
+//
+// Narrow includes instead of <torch/extension.h> keep the JIT build short.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../common/cpu_features.h"
+#include "cpu_decode.h"
+
+namespace rlhf_decode {
+namespace {
+
+constexpr int64_t kTensorsPerLayer = 10;  // input_norm, wqkv, bqkv, wo, bo, post_norm, w_gate_up, b_gate_up, w_down, b_down
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas{"scalar"};
+  if (rlhf::cpu_has_avx2()) isas.emplace_back("avx2");
+  return isas;
+}
+
+const Kernels& resolve_isa(const std::string& requested, std::string& chosen) {
+  chosen = requested == "auto" ? supported_isas().back() : requested;
+  if (chosen == "avx2") {
+    TORCH_CHECK(rlhf::cpu_has_avx2(), "rlhf_cpu_decode: this CPU has no AVX2/FMA");
+    return avx2_kernels();
+  }
+  TORCH_CHECK(chosen == "scalar", "rlhf_cpu_decode: unknown or unsupported isa '", requested,
+              "' (supported: auto, ", c10::Join(", ", supported_isas()), ")");
+  return scalar_kernels();
+}
+
+void check_weight(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              "rlhf_cpu_decode: ", name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.sizes() == shape, "rlhf_cpu_decode: ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.is_contiguous(), "rlhf_cpu_decode: ", name, " must be contiguous");
+}
+
+// An empty tensor stands for "no bias".
+at::Tensor optional_bias(const at::Tensor& t, const char* name, int64_t size) {
+  if (!t.defined() || t.numel() == 0) return at::Tensor();
+  check_weight(t, name, {size});
+  return t;
+}
+
+struct Layer {
+  at::Tensor input_norm, wqkv_t, bqkv, wo_t, bo, post_norm, w_gate_up_t, b_gate_up, w_down_t, b_down;
+  float input_eps = 0, post_eps = 0;
+};
+
+// out = x @ w_t (+ bias), into a preallocated buffer.
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
+  if (bias.defined()) {
+    at::addmm_out(out, bias, x, w_t);
+  } else {
+    at::mm_out(out, x, w_t);
+  }
+}
+
+// residual += x @ w_t (+ bias): the GEMM accumulates into the residual stream in place.
+void add_linear(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
+  residual.addmm_(x, w_t);
+  if (bias.defined()) residual.add_(bias);
+}
+
+class LlamaDecodeStep {
+ public:
+  LlamaDecodeStep(const at::Tensor& embed, const std::vector<at::Tensor>& layer_tensors,
+                  const std::vector<double>& layer_eps, const at::Tensor& norm, double norm_eps,
+                  const at::Tensor& lm_head, const at::Tensor& lm_head_bias, const at::Tensor& cos,
+                  const at::Tensor& sin_signed, const std::vector<at::Tensor>& keys,
+                  const std::vector<at::Tensor>& values, int64_t heads, int64_t kv_heads, double scale,
+                  const std::string& isa)
+      : kernels_(resolve_isa(isa, isa_)), heads_(heads), kv_heads_(kv_heads), scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(embed.dim() == 2, "rlhf_cpu_decode: embed must be [vocab, hidden]");
+    vocab_ = embed.size(0);
+    hidden_ = embed.size(1);
+    check_weight(embed, "embed", {vocab_, hidden_});
+    embed_ = embed;
+    const int64_t num_layers = static_cast<int64_t>(keys.size());
+    TORCH_CHECK(num_layers > 0 && values.size() == keys.size(), "rlhf_cpu_decode: one key and value cache per layer");
+    TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * num_layers,
+                "rlhf_cpu_decode: expected ", kTensorsPerLayer, " tensors per layer");
+    TORCH_CHECK(static_cast<int64_t>(layer_eps.size()) == 2 * num_layers, "rlhf_cpu_decode: two eps per layer");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "rlhf_cpu_decode: heads ", heads,
+                " must be a multiple of kv_heads ", kv_heads);
+    const at::Tensor& k0 = keys[0];
+    TORCH_CHECK(k0.dim() == 4 && k0.size(1) == kv_heads, "rlhf_cpu_decode: caches must be [batch, kv_heads, len, head_dim]");
+    batch_ = k0.size(0);
+    cache_len_ = k0.size(2);
+    head_dim_ = k0.size(3);
+    TORCH_CHECK(head_dim_ % 2 == 0, "rlhf_cpu_decode: head_dim must be even (RoPE)");
+    for (int64_t l = 0; l < num_layers; ++l) {
+      check_weight(keys[l], "keys", k0.sizes());
+      check_weight(values[l], "values", k0.sizes());
+    }
+    keys_ = keys;
+    values_ = values;
+    check_weight(cos, "cos", {cache_len_, head_dim_});
+    check_weight(sin_signed, "sin_signed", {cache_len_, head_dim_});
+    cos_ = cos;
+    sin_signed_ = sin_signed;
+
+    const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim_, attn_width = heads * head_dim_;
+    const at::Tensor& w_gate_up0 = layer_tensors[6];
+    TORCH_CHECK(w_gate_up0.dim() == 2 && w_gate_up0.size(0) % 2 == 0, "rlhf_cpu_decode: w_gate_up must be [2 * ffn, hidden]");
+    ffn_ = w_gate_up0.size(0) / 2;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* t = layer_tensors.data() + kTensorsPerLayer * l;
+      Layer layer;
+      check_weight(t[0], "input_norm", {hidden_});
+      check_weight(t[1], "wqkv", {qkv_width, hidden_});
+      check_weight(t[3], "wo", {hidden_, attn_width});
+      check_weight(t[5], "post_norm", {hidden_});
+      check_weight(t[6], "w_gate_up", {2 * ffn_, hidden_});
+      check_weight(t[8], "w_down", {hidden_, ffn_});
+      layer.input_norm = t[0];
+      layer.wqkv_t = t[1].t();
+      layer.bqkv = optional_bias(t[2], "bqkv", qkv_width);
+      layer.wo_t = t[3].t();
+      layer.bo = optional_bias(t[4], "bo", hidden_);
+      layer.post_norm = t[5];
+      layer.w_gate_up_t = t[6].t();
+      layer.b_gate_up = optional_bias(t[7], "b_gate_up", 2 * ffn_);
+      layer.w_down_t = t[8].t();
+      layer.b_down = optional_bias(t[9], "b_down", hidden_);
+      layer.input_eps = static_cast<float>(layer_eps[2 * l]);
+      layer.post_eps = static_cast<float>(layer_eps[2 * l + 1]);
+      layers_.push_back(std::move(layer));
+    }
+    check_weight(norm, "norm", {hidden_});
+    norm_ = norm;
+    norm_eps_ = static_cast<float>(norm_eps);
+    TORCH_CHECK(lm_head.dim() == 2, "rlhf_cpu_decode: lm_head must be [vocab, hidden]");
+    check_weight(lm_head, "lm_head", {lm_head.size(0), hidden_});
+    lm_head_t_ = lm_head.t();
+    lm_head_bias_ = optional_bias(lm_head_bias, "lm_head_bias", lm_head.size(0));
+
+    const auto f32 = embed.options();
+    x_ = at::empty({batch_, hidden_}, f32);
+    h_ = at::empty({batch_, hidden_}, f32);
+    qkv_ = at::empty({batch_, qkv_width}, f32);
+    attn_ = at::empty({batch_, attn_width}, f32);
+    gate_up_ = at::empty({batch_, 2 * ffn_}, f32);
+    act_ = at::empty({batch_, ffn_}, f32);
+  }
+
+  // tokens [B] or [B, 1] int64; positions likewise; visible [B, >= length + 1] (nonzero = attend,
+  // any integer or bool dtype); length = tokens already cached. Returns [B, vocab] logits.
+  at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& visible, int64_t length) {
+    TORCH_CHECK(tokens.numel() == batch_ && tokens.scalar_type() == at::kLong && tokens.device().is_cpu(),
+                "rlhf_cpu_decode: tokens must be ", batch_, " int64 CPU values");
+    TORCH_CHECK(positions.numel() == batch_ && positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                "rlhf_cpu_decode: positions must be ", batch_, " int64 CPU values");
+    TORCH_CHECK(length >= 0 && length < cache_len_, "rlhf_cpu_decode: KV cache overflow: writing position ", length,
+                " of ", cache_len_);
+    TORCH_CHECK(visible.dim() == 2 && visible.size(0) == batch_ && visible.size(1) >= length + 1,
+                "rlhf_cpu_decode: the attention mask must be [", batch_, ", >= ", length + 1, "], got ", visible.sizes());
+    const at::Tensor token_ids = tokens.reshape({batch_}).contiguous();
+    const at::Tensor pos = positions.reshape({batch_}).contiguous();
+    const at::Tensor mask = (visible.scalar_type() == at::kBool ? visible : visible.ne(0)).contiguous();
+    const int64_t* token_ptr = token_ids.data_ptr<int64_t>();
+    const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch_; ++b) {
+      TORCH_CHECK(token_ptr[b] >= 0 && token_ptr[b] < vocab_, "rlhf_cpu_decode: token id ", token_ptr[b],
+                  " outside the vocabulary [0, ", vocab_, ")");
+      TORCH_CHECK(pos_ptr[b] >= 0 && pos_ptr[b] < cache_len_, "rlhf_cpu_decode: position ", pos_ptr[b],
+                  " outside the RoPE table [0, ", cache_len_, ")");
+    }
+
+    float* x = x_.data_ptr<float>();
+    const float* embed = embed_rows();
+    for (int64_t b = 0; b < batch_; ++b) {
+      std::memcpy(x + b * hidden_, embed + token_ptr[b] * hidden_, hidden_ * sizeof(float));
+    }
+
+    AttentionArgs args{};
+    args.qkv = qkv_.data_ptr<float>();
+    args.qkv_stride = qkv_.size(1);
+    args.cos = cos_.data_ptr<float>();
+    args.sin_signed = sin_signed_.data_ptr<float>();
+    args.positions = pos_ptr;
+    args.visible = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
+    args.visible_stride = mask.size(1);
+    args.out = attn_.data_ptr<float>();
+    args.heads = heads_;
+    args.kv_heads = kv_heads_;
+    args.head_dim = head_dim_;
+    args.cache_len = cache_len_;
+    args.length = length;
+    args.scale = scale_;
+    const int64_t scratch_floats = attention_scratch_floats(args);
+
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& w = layers_[l];
+      rms_norm(x_, w.input_norm, w.input_eps, h_);
+      linear_into(qkv_, h_, w.wqkv_t, w.bqkv);
+      args.keys = keys_[l].data_ptr<float>();
+      args.values = values_[l].data_ptr<float>();
+      at::parallel_for(0, batch_ * kv_heads_, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(scratch_floats);
+        kernels_.attention(args, begin, end, scratch.data());
+      });
+      add_linear(x_, attn_, w.wo_t, w.bo);
+      rms_norm(x_, w.post_norm, w.post_eps, h_);
+      linear_into(gate_up_, h_, w.w_gate_up_t, w.b_gate_up);
+      const float* gate_up = gate_up_.data_ptr<float>();
+      float* act = act_.data_ptr<float>();
+      at::parallel_for(0, batch_, rows_per_task(ffn_), [&](int64_t begin, int64_t end) {
+        kernels_.silu_mul(gate_up + begin * 2 * ffn_, act + begin * ffn_, end - begin, ffn_);
+      });
+      add_linear(x_, act_, w.w_down_t, w.b_down);
+    }
+    rms_norm(x_, norm_, norm_eps_, h_);
+    return lm_head_bias_.defined() ? at::addmm(lm_head_bias_, h_, lm_head_t_) : at::mm(h_, lm_head_t_);
+  }
+
+  const std::string& isa() const { return isa_; }
+
+ private:
+  // Below ~16K elements per task a parallel region costs more than it saves.
+  static int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / width); }
+
+  const float* embed_rows() const { return embed_.data_ptr<float>(); }
+
+  void rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) const {
+    const float* src = x.data_ptr<float>();
+    const float* w = weight.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, batch_, rows_per_task(hidden_), [&](int64_t begin, int64_t end) {
+      kernels_.rms_norm(src + begin * hidden_, w, dst + begin * hidden_, end - begin, hidden_, eps);
+    });
+  }
+
+  std::string isa_;
+  const Kernels& kernels_;
+  int64_t heads_, kv_heads_;
+  float scale_;
+  int64_t batch_ = 0, cache_len_ = 0, head_dim_ = 0, hidden_ = 0, vocab_ = 0, ffn_ = 0;
+  at::Tensor embed_, cos_, sin_signed_, norm_, lm_head_t_, lm_head_bias_;
+  float norm_eps_ = 0;
+  std::vector<Layer> layers_;
+  std::vector<at::Tensor> keys_, values_;
+  at::Tensor x_, h_, qkv_, attn_, gate_up_, act_;
+};
+
+}  // namespace
+}  // namespace rlhf_decode
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using rlhf_decode::LlamaDecodeStep;
+  m.doc() = "Whole-model float32 decode step of Llama-family models on the CPU (AVX2 / scalar kernels + MKL)";
+  py::class_<LlamaDecodeStep>(m, "LlamaDecodeStep")
+      .def(py::init<const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<double>&, const at::Tensor&,
+                    double, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t, double,
+                    const std::string&>(),
+           py::arg("embed"), py::arg("layer_tensors"), py::arg("layer_eps"), py::arg("norm"), py::arg("norm_eps"),
+           py::arg("lm_head"), py::arg("lm_head_bias"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),
+           py::arg("values"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"), py::arg("isa") = "auto")
+      .def("step", &LlamaDecodeStep::step, py::arg("tokens"), py::arg("positions"), py::arg("visible"),
+           py::arg("length"), "One token per sequence -> [batch, vocab] logits; writes the KV cache at `length`.",
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("isa", &LlamaDecodeStep::isa);
+  m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
+}

@@ -1,0 +1,48 @@
+// The CPU decode step's elementwise and attention kernels, one set per ISA (scalar, AVX2).
+//
+// These files hold no torch code: cpu_decode.cpp runs the matmuls through ATen (MKL) and hands
+// row or task ranges of float32 buffers to these kernels on torch's intra-op threads.
+#pragma once
+
+#include <cstdint>
+
+namespace rlhf_decode {
+
+// One decode step of one layer's attention, for all (sequence, KV head) tasks.
+struct AttentionArgs {
+  const float* qkv;           // [batch, (heads + 2 * kv_heads) * head_dim]: q heads, k heads, v heads
+  int64_t qkv_stride;         // elements between rows of qkv
+  const float* cos;           // [cache_len, head_dim] RoPE cos table, row = position
+  const float* sin_signed;    // [cache_len, head_dim] sin with its first half negated
+  const int64_t* positions;   // [batch] position of this step's token
+  const uint8_t* visible;     // [batch, visible_stride]: nonzero = key visible, keys [0, length]
+  int64_t visible_stride;
+  float* keys;                // [batch, kv_heads, cache_len, head_dim] cache, written at `length`
+  float* values;              // same layout
+  float* out;                 // [batch, heads * head_dim]
+  int64_t heads, kv_heads, head_dim, cache_len;
+  int64_t length;             // tokens cached before this step
+  float scale;                // softmax scale applied to q.k
+};
+
+// Floats of scratch one attention task needs.
+inline int64_t attention_scratch_floats(const AttentionArgs& a) {
+  const int64_t groups = a.heads / a.kv_heads;
+  return groups * (a.head_dim + 1 + a.length + 1);
+}
+
+struct Kernels {
+  // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows [0, rows) of width dim.
+  void (*rms_norm)(const float* x, const float* weight, float* out, int64_t rows, int64_t dim, float eps);
+  // out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i] for rows [0, rows).
+  void (*silu_mul)(const float* gate_up, float* out, int64_t rows, int64_t ffn);
+  // Tasks [begin, end) of batch * kv_heads (task = b * kv_heads + kv head): RoPE on this step's
+  // key and queries, key and value written to the cache at `length`, then attention of the
+  // kv head's query heads over visible keys [0, length]. `scratch`: attention_scratch_floats().
+  void (*attention)(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch);
+};
+
+const Kernels& scalar_kernels();
+const Kernels& avx2_kernels();  // only on x86-64 CPUs with AVX2 + FMA
+
+}  // namespace rlhf_decode

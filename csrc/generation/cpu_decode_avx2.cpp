@@ -1,0 +1,90 @@
+// AVX2 + FMA CPU decode kernels (8 floats per register). Compiled for AVX2 through a target
+// pragma rather than a command-line flag, so the extension as a whole still loads on older
+// CPUs; cpu_decode.cpp only calls in here after checking that the CPU has AVX2 and FMA.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cpu_decode.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+
+namespace rlhf_decode::avx2 {
+
+struct Avx2 {
+  using T = __m256;
+  static constexpr int64_t kWidth = 8;
+  static inline T zero() { return _mm256_setzero_ps(); }
+  static inline T set1(float x) { return _mm256_set1_ps(x); }
+  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static inline T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+
+  static inline float hsum(T a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+
+  // exp(x) to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n).
+  // Inputs below the smallest normal result give 0 (-inf included), above ~88.7 give +inf.
+  static inline T exp(T x) {
+    const T underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654475f), _CMP_LT_OQ);
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    T n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    T y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
+  }
+};
+
+#include "cpu_decode_kernels.inc"
+
+}  // namespace rlhf_decode::avx2
+
+namespace rlhf_decode {
+const Kernels& avx2_kernels() {
+  static const Kernels kernels{
+      &avx2::rms_norm_rows<avx2::Avx2>,
+      &avx2::silu_mul_rows<avx2::Avx2>,
+      &avx2::attention_tasks<avx2::Avx2>,
+  };
+  return kernels;
+}
+}  // namespace rlhf_decode
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64: cpu_decode.cpp never selects AVX2 here
+
+namespace rlhf_decode {
+const Kernels& avx2_kernels() { return scalar_kernels(); }
+}  // namespace rlhf_decode
+
+#endif

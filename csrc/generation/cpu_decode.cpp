@@ -67,8 +67,8 @@ struct Layer {
   float input_eps = 0, post_eps = 0;
 };
 
-// out = x @ w_t (+ bias), into a preallocated buffer.
-void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
+// out = x @ w_t (+ bias): out and w_t are column slices of the full output and weight.
+void linear_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
   if (bias.defined()) {
     at::addmm_out(out, bias, x, w_t);
   } else {
@@ -76,11 +76,17 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_t, co
   }
 }
 
-// residual += x @ w_t (+ bias): the GEMM accumulates into the residual stream in place.
-void add_linear(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
+// residual += x @ w_t (+ bias): the GEMM accumulates into (a column slice of) the residual stream.
+void add_linear(at::Tensor residual, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
   residual.addmm_(x, w_t);
   if (bias.defined()) residual.add_(bias);
 }
+
+at::Tensor cols(const at::Tensor& t, int64_t begin, int64_t end) {
+  return t.defined() ? t.narrow(t.dim() - 1, begin, end - begin) : t;
+}
+
+int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 class LlamaDecodeStep {
  public:
@@ -157,7 +163,6 @@ class LlamaDecodeStep {
 
     const auto f32 = embed.options();
     x_ = at::empty({batch_, hidden_}, f32);
-    h_ = at::empty({batch_, hidden_}, f32);
     qkv_ = at::empty({batch_, qkv_width}, f32);
     attn_ = at::empty({batch_, attn_width}, f32);
     gate_up_ = at::empty({batch_, 2 * ffn_}, f32);
@@ -188,10 +193,11 @@ class LlamaDecodeStep {
     }
 
     float* x = x_.data_ptr<float>();
-    const float* embed = embed_rows();
+    const float* embed = embed_.data_ptr<float>();
     for (int64_t b = 0; b < batch_; ++b) {
       std::memcpy(x + b * hidden_, embed + token_ptr[b] * hidden_, hidden_ * sizeof(float));
     }
+    ensure_thread_buffers();
 
     AttentionArgs args{};
     args.qkv = qkv_.data_ptr<float>();
@@ -210,45 +216,80 @@ class LlamaDecodeStep {
     args.scale = scale_;
     const int64_t scratch_floats = attention_scratch_floats(args);
 
+    float* gate_up = gate_up_.data_ptr<float>();
+    float* act = act_.data_ptr<float>();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
-      rms_norm(x_, w.input_norm, w.input_eps, h_);
-      linear_into(qkv_, h_, w.wqkv_t, w.bqkv);
+      for_column_chunks(qkv_.size(1), [&](int64_t c0, int64_t c1) {
+        const at::Tensor h = normed(w.input_norm, w.input_eps);
+        linear_into(cols(qkv_, c0, c1), h, cols(w.wqkv_t, c0, c1), cols(w.bqkv, c0, c1));
+      });
       args.keys = keys_[l].data_ptr<float>();
       args.values = values_[l].data_ptr<float>();
       at::parallel_for(0, batch_ * kv_heads_, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scratch(scratch_floats);
-        kernels_.attention(args, begin, end, scratch.data());
+        float* scratch = thread_scratch(scratch_floats);
+        kernels_.attention(args, begin, end, scratch);
       });
-      add_linear(x_, attn_, w.wo_t, w.bo);
-      rms_norm(x_, w.post_norm, w.post_eps, h_);
-      linear_into(gate_up_, h_, w.w_gate_up_t, w.b_gate_up);
-      const float* gate_up = gate_up_.data_ptr<float>();
-      float* act = act_.data_ptr<float>();
-      at::parallel_for(0, batch_, rows_per_task(ffn_), [&](int64_t begin, int64_t end) {
-        kernels_.silu_mul(gate_up + begin * 2 * ffn_, act + begin * ffn_, end - begin, ffn_);
+      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) {
+        add_linear(cols(x_, c0, c1), attn_, cols(w.wo_t, c0, c1), cols(w.bo, c0, c1));
       });
-      add_linear(x_, act_, w.w_down_t, w.b_down);
+      for_column_chunks(ffn_, [&](int64_t c0, int64_t c1) {
+        const at::Tensor h = normed(w.post_norm, w.post_eps);
+        linear_into(cols(gate_up_, c0, c1), h, cols(w.w_gate_up_t, c0, c1), cols(w.b_gate_up, c0, c1));
+        linear_into(cols(gate_up_, ffn_ + c0, ffn_ + c1), h, cols(w.w_gate_up_t, ffn_ + c0, ffn_ + c1),
+                    cols(w.b_gate_up, ffn_ + c0, ffn_ + c1));
+        kernels_.silu_mul(gate_up + c0, gate_up + ffn_ + c0, 2 * ffn_, act + c0, ffn_, batch_, c1 - c0);
+      });
+      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) {
+        add_linear(cols(x_, c0, c1), act_, cols(w.w_down_t, c0, c1), cols(w.b_down, c0, c1));
+      });
     }
-    rms_norm(x_, norm_, norm_eps_, h_);
-    return lm_head_bias_.defined() ? at::addmm(lm_head_bias_, h_, lm_head_t_) : at::mm(h_, lm_head_t_);
+    const int64_t vocab_out = lm_head_t_.size(1);
+    at::Tensor logits = at::empty({batch_, vocab_out}, x_.options());
+    for_column_chunks(vocab_out, [&](int64_t c0, int64_t c1) {
+      const at::Tensor h = normed(norm_, norm_eps_);
+      linear_into(cols(logits, c0, c1), h, cols(lm_head_t_, c0, c1), cols(lm_head_bias_, c0, c1));
+    });
+    return logits;
   }
 
   const std::string& isa() const { return isa_; }
 
  private:
-  // Below ~16K elements per task a parallel region costs more than it saves.
-  static int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / width); }
-
-  const float* embed_rows() const { return embed_.data_ptr<float>(); }
-
-  void rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) const {
-    const float* src = x.data_ptr<float>();
-    const float* w = weight.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
-    at::parallel_for(0, batch_, rows_per_task(hidden_), [&](int64_t begin, int64_t end) {
-      kernels_.rms_norm(src + begin * hidden_, w, dst + begin * hidden_, end - begin, hidden_, eps);
+  // fn(c0, c1) over slices of [0, columns) on torch's intra-op threads, one slice per thread
+  // (slices are multiples of 16 columns). A GEMM called inside a parallel region runs on one
+  // thread, so each thread multiplies its own slice of the weight: for the small GEMMs of a
+  // decode step this scales across cores far better than MKL threading each GEMM itself.
+  template <class Fn>
+  void for_column_chunks(int64_t columns, const Fn& fn) const {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t chunk = divup(divup(columns, threads), 16) * 16;
+    at::parallel_for(0, divup(columns, chunk), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) fn(c * chunk, std::min(columns, (c + 1) * chunk));
     });
+  }
+
+  // Per-thread buffers, sized for the current thread count.
+  void ensure_thread_buffers() {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    if (!thread_h_.defined() || thread_h_.size(0) < threads) {
+      thread_h_ = at::empty({threads, batch_, hidden_}, x_.options());
+      thread_scratch_.assign(threads, std::vector<float>());
+    }
+  }
+
+  // The residual stream RMS-normalised into this thread's buffer (each thread of a region
+  // needs all of it, and normalising 32 x hidden floats is cheaper than another region).
+  at::Tensor normed(const at::Tensor& weight, float eps) const {
+    at::Tensor h = thread_h_.select(0, at::get_thread_num());
+    kernels_.rms_norm(x_.data_ptr<float>(), weight.data_ptr<float>(), h.data_ptr<float>(), batch_, hidden_, eps);
+    return h;
+  }
+
+  float* thread_scratch(int64_t floats) {
+    std::vector<float>& buffer = thread_scratch_[at::get_thread_num()];
+    if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+    return buffer.data();
   }
 
   std::string isa_;
@@ -260,7 +301,9 @@ class LlamaDecodeStep {
   float norm_eps_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> keys_, values_;
-  at::Tensor x_, h_, qkv_, attn_, gate_up_, act_;
+  at::Tensor x_, qkv_, attn_, gate_up_, act_;
+  at::Tensor thread_h_;                             // [threads, batch, hidden]
+  std::vector<std::vector<float>> thread_scratch_;  // attention scratch per thread
 };
 
 }  // namespace

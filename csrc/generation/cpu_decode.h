@@ -34,8 +34,9 @@ inline int64_t attention_scratch_floats(const AttentionArgs& a) {
 struct Kernels {
   // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows [0, rows) of width dim.
   void (*rms_norm)(const float* x, const float* weight, float* out, int64_t rows, int64_t dim, float eps);
-  // out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i] for rows [0, rows).
-  void (*silu_mul)(const float* gate_up, float* out, int64_t rows, int64_t ffn);
+  // out[r * out_stride + i] = silu(gate[r * in_stride + i]) * up[r * in_stride + i], i < width.
+  void (*silu_mul)(const float* gate, const float* up, int64_t in_stride, float* out, int64_t out_stride,
+                   int64_t rows, int64_t width);
   // Tasks [begin, end) of batch * kv_heads (task = b * kv_heads + kv head): RoPE on this step's
   // key and queries, key and value written to the cache at `length`, then attention of the
   // kv head's query heads over visible keys [0, length]. `scratch`: attention_scratch_floats().

@@ -28,7 +28,7 @@ struct AttentionArgs {
 // Floats of scratch one attention task needs.
 inline int64_t attention_scratch_floats(const AttentionArgs& a) {
   const int64_t groups = a.heads / a.kv_heads;
-  return groups * (a.head_dim + 1 + a.length + 1);
+  return groups * (a.head_dim + a.length + 1);
 }
 
 struct Kernels {

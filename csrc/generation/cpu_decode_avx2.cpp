@@ -39,6 +39,13 @@ struct Avx2 {
     return _mm_cvtss_f32(x);
   }
 
+  // out[0..4) = the horizontal sums of a, b, c, d.
+  static inline void hsum4(T a, T b, T c, T d, float* out) {
+    const T ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    const T abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: sum(a) sum(b) sum(c) sum(d)
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+
   // exp(x) to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n).
   // Inputs below the smallest normal result give 0 (-inf included), above ~88.7 give +inf.
   static inline T exp(T x) {

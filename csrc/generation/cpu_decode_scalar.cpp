@@ -20,6 +20,12 @@ struct Scalar {
   static inline T div(T a, T b) { return a / b; }
   static inline T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
   static inline float hsum(T a) { return a; }
+  static inline void hsum4(T a, T b, T c, T d, float* out) {
+    out[0] = a;
+    out[1] = b;
+    out[2] = c;
+    out[3] = d;
+  }
   static inline T exp(T a) { return std::exp(a); }
 };
 

@@ -10,7 +10,7 @@ import click
 import torch
 
 # Modules that register csrc ops when imported.
-_OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels")
+_OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode")
 
 
 def print_report() -> None:

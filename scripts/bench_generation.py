@@ -13,9 +13,11 @@ of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
     python scripts/bench_generation.py --threads 2 --batch 8 --new 128
     python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --peak-gbs 3350
     python scripts/bench_generation.py --fast off       # ours through the HF forward (reference)
+    python scripts/bench_generation.py --kernel off     # fast decoder, Python decode step
 
 Ours runs the fast Llama-family decoder (engine/fast_decode.py) where it supports the model,
-else the model's own forward; --fast picks. The last line of output is one JSON object
+else the model's own forward; --fast picks. On the CPU in float32 its decode steps run the
+fused csrc op (engine/cpu_decode.py) unless --kernel off (which sets RLHF_DISABLE_OPS=1). The last line of output is one JSON object
 (ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf, the per-phase timings, bandwidth figures,
 ours_path and the shape).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +34,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf.engine.fast_decode import fast_decode_unsupported_reason
+from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.generation import SamplingParams, generate
 from rlhf.models.tiny import build_char_tokenizer, tiny_config
 
@@ -71,6 +74,10 @@ def parse_args() -> argparse.Namespace:
         "--fast", choices=["auto", "on", "off"], default="auto",
         help="our path: the fast Llama-family decoder where it supports the model (auto), always (on), "
         "or the model's own HF forward, the reference (off)",
+    )
+    p.add_argument(
+        "--kernel", choices=["auto", "off"], default="auto",
+        help="the fused CPU decode step where it can run (auto) or the fast decoder's Python step (off)",
     )
     p.add_argument("--no-hf", action="store_true", help="time only ours")
     p.add_argument("--seed", type=int, default=0)
@@ -153,6 +160,8 @@ def measure(
 
 def main() -> None:
     args = parse_args()
+    if args.kernel == "off":
+        os.environ["RLHF_DISABLE_OPS"] = "1"  # read when an op is first loaded
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     if args.threads:
@@ -167,6 +176,9 @@ def main() -> None:
     fast = {"auto": "auto", "on": True, "off": False}[args.fast]
     unsupported = fast_decode_unsupported_reason(model)
     path = "hf_forward" if fast is False or (fast == "auto" and unsupported) else "fast"
+    if path == "fast":
+        isa = FastLlamaDecoder(model, args.batch, 2).kernel_isa
+        path = f"fast+cpu_decode[{isa}]" if isa else "fast"
 
     def ours(new: int) -> torch.Tensor:
         params = SamplingParams(

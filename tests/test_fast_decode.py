@@ -98,12 +98,15 @@ def test_greedy_matches_reference_and_hf_with_eos(models, batch, tok, family: st
     assert bool(fast.finished[0]) and int(fast.response_lengths[0]) <= 4 and not fast.finished.all()
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, "auto"], ids=["python-step", "fused-step"])
 @pytest.mark.parametrize("family", FAST_FAMILIES)
-def test_logits_match_the_reference_every_step(models, batch, family: str) -> None:
+def test_logits_match_the_reference_every_step(models, batch, family: str, cpu_kernel) -> None:
+    # "auto": decode steps run the fused CPU op (engine/cpu_decode.py) where it builds.
     model, (ids, mask) = models[family], batch
     b, p = ids.shape
     steps = 8
-    fast, ref = FastLlamaDecoder(model, b, p + steps), HFForwardRunner(model, p + steps)
+    fast = FastLlamaDecoder(model, b, p + steps, cpu_kernel=cpu_kernel)
+    ref = HFForwardRunner(model, p + steps)
     positions = _positions(mask)
     with torch.no_grad():
         fast_logits = fast.prefill(ids, mask, positions)

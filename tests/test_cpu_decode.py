@@ -1,0 +1,155 @@
+"""The fused float32 CPU decode step (csrc/generation/cpu_decode*.cpp) against the Python step.
+
+FastLlamaDecoder's Python decode step is the reference (it is itself checked against the HF
+forward and HF generate in test_fast_decode.py); every kernel set this CPU runs (scalar, AVX2)
+must give the same logits and write the same KV cache, step after step, for the shapes that
+reach the kernels' edge cases: GQA and MHA, Qwen2's q/k/v biases and Llama's optional
+attention and MLP biases, head and MLP widths that are not multiples of the vector width,
+left padding, one thread and several.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlhf.engine.cpu_decode import load_cpu_decode_op
+from rlhf.engine.fast_decode import FastLlamaDecoder
+from rlhf.engine.generation import generate
+from rlhf.engine.sampling import SamplingParams
+from rlhf.models.tiny import tiny_config
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def op():
+    module = load_cpu_decode_op()
+    if module is None:
+        pytest.skip("rlhf_cpu_decode cannot be built here (no C++ compiler?)")
+    return module
+
+
+def _model(family: str, hidden: int, heads: int, kv_heads: int, ffn: int, biases: bool = False) -> PreTrainedModel:
+    config = tiny_config(
+        family, vocab_size=VOCAB, hidden_size=hidden, num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+    )
+    if biases:  # Llama's optional biases on every projection
+        config.attention_bias = config.mlp_bias = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # HF zero-initialises biases: random ones make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+SHAPES = {
+    # family, hidden, heads, kv_heads, ffn, biases
+    "llama-gqa": ("llama", 64, 4, 2, 128, False),
+    "llama-mha-biases": ("llama", 48, 4, 4, 72, True),  # head_dim 12, ffn 72: vector tails
+    "qwen2-gqa-qkv-bias": ("qwen2", 64, 8, 2, 96, False),
+    "mistral-mqa": ("mistral", 40, 2, 1, 60, False),  # head_dim 20
+}
+
+
+def _prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (batch, width), generator=gen)
+    mask = torch.ones_like(ids)
+    for row in range(1, batch, 2):  # left padding of various widths on every other row
+        mask[row, : min(width - 1, row + 1)] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return ids, mask, positions
+
+
+def _run_steps(decoder: FastLlamaDecoder, ids, mask, positions, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill, then feed `tokens` [B, steps] one column per step; -> logits of every call."""
+    batch, width = ids.shape
+    steps = tokens.shape[1]
+    full_mask = torch.cat([mask, torch.ones(batch, steps, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = [decoder.prefill(ids, mask, positions)]
+        for step in range(steps):
+            pos = positions[:, -1:] + step + 1
+            logits.append(decoder.decode(tokens[:, step : step + 1], full_mask[:, : width + step + 1], pos))
+    return logits
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_kernel_set_matches_the_python_step(op, shape: str) -> None:
+    model = _model(*SHAPES[shape])
+    ids, mask, positions = _prompts(batch=5, width=7)
+    steps = 9
+    tokens = torch.randint(3, VOCAB, (5, steps), generator=torch.Generator().manual_seed(3))
+    reference = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False)
+    assert reference.kernel_isa is None
+    want = _run_steps(reference, ids, mask, positions, tokens)
+    for isa in op.supported_isas():
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa)
+                got = _run_steps(fused, ids, mask, positions, tokens)
+            finally:
+                torch.set_num_threads(previous)
+            assert fused.kernel_isa == isa
+            scale = max(float(w.abs().max()) for w in want)
+            for step, (g, w) in enumerate(zip(got, want)):
+                torch.testing.assert_close(g, w, atol=2e-6 * scale, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
+            for layer in range(len(model.model.layers)):
+                for cache in ("keys", "values"):
+                    g, w = getattr(fused, cache)[layer], getattr(reference, cache)[layer]
+                    torch.testing.assert_close(g[:, :, : 7 + steps], w[:, :, : 7 + steps], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_uses_the_kernel_and_keeps_greedy_tokens(op, monkeypatch) -> None:
+    model = _model(*SHAPES["qwen2-gqa-qkv-bias"])
+    ids, mask, _ = _prompts(batch=4, width=6)
+    params = SamplingParams(max_new_tokens=12, pad_token_id=0, do_sample=False)
+    built: list[str | None] = []
+    init = FastLlamaDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self.kernel_isa)
+
+    monkeypatch.setattr(FastLlamaDecoder, "__init__", spy)
+    fused = generate(model, ids, mask, params)
+    assert built == [op.supported_isas()[-1]]
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(fused.sequences, hf)
+
+
+def test_models_the_kernel_cannot_run_keep_the_python_step(op) -> None:
+    model = _model(*SHAPES["llama-gqa"])
+    bf16 = _model(*SHAPES["llama-gqa"]).to(torch.bfloat16)
+    assert FastLlamaDecoder(bf16, 2, 8).kernel_isa is None
+    with pytest.raises(ValueError, match="float32 only"):
+        FastLlamaDecoder(bf16, 2, 8, cpu_kernel=True)
+    gelu = _model(*SHAPES["llama-gqa"])
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="not SiLU"):
+        FastLlamaDecoder(gelu, 2, 8, cpu_kernel=True)
+    with pytest.raises(RuntimeError, match="unknown or unsupported isa"):
+        FastLlamaDecoder(model, 2, 8, cpu_kernel=True, kernel_isa="sse9")
+
+
+def test_bad_steps_fail_with_a_clear_error(op) -> None:
+    model = _model(*SHAPES["llama-gqa"])
+    ids, mask, positions = _prompts(batch=2, width=3)
+    decoder = FastLlamaDecoder(model, 2, 4, cpu_kernel=True)
+    with torch.no_grad():
+        decoder.prefill(ids, mask, positions)
+        full = torch.ones(2, 5, dtype=mask.dtype)
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            decoder.decode(torch.tensor([[1], [VOCAB]]), full[:, :4], positions[:, -1:] + 1)
+        decoder.decode(torch.tensor([[1], [2]]), full[:, :4], positions[:, -1:] + 1)
+        with pytest.raises(RuntimeError, match="KV cache overflow"):
+            decoder.decode(torch.tensor([[1], [2]]), full[:, :5], positions[:, -1:] + 2)

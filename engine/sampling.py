@@ -9,6 +9,7 @@ kernel can later replace them behind the same signature. The semantics follow Hu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,11 +113,28 @@ def sample_from_logits(
     return torch.where(token < vocab, token, last_positive)
 
 
+def _fused_cpu_sampler(logits: torch.Tensor, params: SamplingParams) -> Callable[..., torch.Tensor] | None:
+    """The csrc CPU sampler (engine/cpu_decode.py) where it applies: float32 CPU logits, plain
+    temperature sampling (top-k/top-p take the torch path). It draws by the same contract as
+    sample_from_logits in one call instead of ~15 small ops (its exp may round differently in
+    the last bit, so a token can differ only where a uniform falls on a CDF step's edge)."""
+    if params.top_k or params.top_p < 1.0 or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    from rlhf.engine.cpu_decode import load_cpu_decode_op
+
+    op = load_cpu_decode_op()
+    return None if op is None else op.sample
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64."""
     if not params.do_sample:
         return torch.argmax(logits, dim=-1)
+    fused = _fused_cpu_sampler(logits, params)
+    if fused is not None:
+        uniform = torch.rand(logits.shape[0], dtype=torch.float32, generator=generator)  # as sample_from_logits draws
+        return fused(logits, uniform, params.temperature)
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
     return sample_from_logits(scores, generator)

@@ -5,7 +5,8 @@ forward and HF generate in test_fast_decode.py); every kernel set this CPU runs 
 must give the same logits and write the same KV cache, step after step, for the shapes that
 reach the kernels' edge cases: GQA and MHA, Qwen2's q/k/v biases and Llama's optional
 attention and MLP biases, head and MLP widths that are not multiples of the vector width,
-left padding, one thread and several.
+left padding, one thread and several. The op's sampler must draw what sample_from_logits
+draws from the same uniforms.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rlhf.engine.cpu_decode import load_cpu_decode_op
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.engine.generation import generate
-from rlhf.engine.sampling import SamplingParams
+from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
 from rlhf.models.tiny import tiny_config
 
 VOCAB = 97
@@ -153,3 +154,33 @@ def test_bad_steps_fail_with_a_clear_error(op) -> None:
         decoder.decode(torch.tensor([[1], [2]]), full[:, :4], positions[:, -1:] + 1)
         with pytest.raises(RuntimeError, match="KV cache overflow"):
             decoder.decode(torch.tensor([[1], [2]]), full[:, :5], positions[:, -1:] + 2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_sampler_draws_what_sample_from_logits_draws(op, temperature: float) -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(4000, 101, generator=gen)
+    logits[:, 7] = float("-inf")  # a removed token
+    uniform = torch.rand(4000, generator=gen)
+    uniform[:2] = torch.tensor([0.0, 1.0 - 2**-24])  # the ends of [0, 1)
+    want = sample_from_logits(process_logits(logits, temperature), uniform=uniform)
+    for isa in op.supported_isas():
+        got = op.sample(logits, uniform, temperature, isa)
+        # The same contract; only a last-bit difference of exp could move a draw across a CDF step.
+        assert int((got != want).sum()) <= 2, isa
+        assert not bool((got == 7).any())
+        assert int(got[0]) == 0  # u = 0: the first token of positive mass
+
+
+def test_sample_next_token_takes_the_fused_sampler_without_top_k_or_top_p(op, monkeypatch) -> None:
+    calls: list[int] = []
+    real = op.sample
+    monkeypatch.setattr(op, "sample", lambda *args: calls.append(1) or real(*args))
+    logits = torch.randn(6, 50)
+    plain = SamplingParams(max_new_tokens=1, pad_token_id=0, temperature=0.9)
+    first = sample_next_token(logits, plain, torch.Generator().manual_seed(5))
+    again = sample_next_token(logits, plain, torch.Generator().manual_seed(5))
+    assert calls == [1, 1] and torch.equal(first, again)
+    sample_next_token(logits, SamplingParams(max_new_tokens=1, pad_token_id=0, top_k=5), torch.Generator())
+    sample_next_token(logits.double(), plain, torch.Generator())
+    assert calls == [1, 1]  # top-k, and float64 logits, take the torch path

@@ -306,6 +306,30 @@ class LlamaDecodeStep {
   std::vector<std::vector<float>> thread_scratch_;  // attention scratch per thread
 };
 
+// One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, double temperature, const std::string& isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat,
+              "rlhf_cpu_decode.sample: logits must be a [batch, vocab] float32 CPU tensor");
+  TORCH_CHECK(uniform.dim() == 1 && uniform.size(0) == logits.size(0) && uniform.scalar_type() == at::kFloat &&
+                  uniform.device().is_cpu(),
+              "rlhf_cpu_decode.sample: uniform must be [batch] float32 on the CPU");
+  TORCH_CHECK(temperature > 0, "rlhf_cpu_decode.sample: temperature must be > 0");
+  std::string chosen;
+  const Kernels& kernels = resolve_isa(isa, chosen);
+  const at::Tensor scores = logits.contiguous();
+  const at::Tensor u = uniform.contiguous();
+  const int64_t batch = scores.size(0), vocab = scores.size(1);
+  at::Tensor tokens = at::empty({batch}, scores.options().dtype(at::kLong));
+  std::vector<float> mass(vocab);
+  const float* rows = scores.data_ptr<float>();
+  const float* draws = u.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    out[b] = kernels.sample_row(rows + b * vocab, vocab, static_cast<float>(temperature), draws[b], mass.data());
+  }
+  return tokens;
+}
+
 }  // namespace
 }  // namespace rlhf_decode
 
@@ -324,5 +348,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("length"), "One token per sequence -> [batch, vocab] logits; writes the KV cache at `length`.",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("isa", &LlamaDecodeStep::isa);
+  m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
+        py::arg("isa") = "auto",
+        "One draw per row from softmax(logits / temperature) by inverse CDF with the given uniforms "
+        "(engine/sampling.py's sample_from_logits contract) -> [batch] int64.",
+        py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
 }

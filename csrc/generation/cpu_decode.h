@@ -41,6 +41,10 @@ struct Kernels {
   // key and queries, key and value written to the cache at `length`, then attention of the
   // kv head's query heads over visible keys [0, length]. `scratch`: attention_scratch_floats().
   void (*attention)(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch);
+  // One draw from softmax(logits / temperature) by inverse CDF with uniform u in [0, 1): the
+  // first token whose running mass exceeds u * total, else the last token of positive mass
+  // (engine/sampling.py's sample_from_logits contract). `mass`: vocab floats of scratch.
+  int64_t (*sample_row)(const float* logits, int64_t vocab, float temperature, float u, float* mass);
 };
 
 const Kernels& scalar_kernels();

@@ -39,6 +39,7 @@ const Kernels& scalar_kernels() {
       &scalar::rms_norm_rows<scalar::Scalar>,
       &scalar::silu_mul_rows<scalar::Scalar>,
       &scalar::attention_tasks<scalar::Scalar>,
+      &scalar::sample_row<scalar::Scalar>,
   };
   return kernels;
 }

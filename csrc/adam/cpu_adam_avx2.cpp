@@ -3,6 +3,7 @@
 // runs on older CPUs; cpu_adam.cpp only calls in here after checking the CPU supports AVX2/FMA.
 #include <cmath>
 
+#include "../common/avx2_float.h"
 #include "cpu_adam.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -17,18 +18,10 @@
 
 namespace rlhf_adam::avx2 {
 
-struct Avx2 {
-  using T = __m256;
-  static constexpr int64_t kWidth = 8;
-  static inline T set1(float x) { return _mm256_set1_ps(x); }
-  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
-  static inline T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+struct Avx2 : rlhf::Avx2Float {
+  using Avx2Float::load;
+  using Avx2Float::store;
   static inline T sqrt(T a) { return _mm256_sqrt_ps(a); }
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
 
   // bf16 -> fp32 is a 16-bit shift of each lane.
   static inline T load(const bf16_t* p) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "../common/avx2_float.h"
 #include "cpu_decode.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -19,18 +20,7 @@
 
 namespace rlhf_decode::avx2 {
 
-struct Avx2 {
-  using T = __m256;
-  static constexpr int64_t kWidth = 8;
-  static inline T zero() { return _mm256_setzero_ps(); }
-  static inline T set1(float x) { return _mm256_set1_ps(x); }
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
-  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
-  static inline T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+struct Avx2 : rlhf::Avx2Float {
 
   static inline float hsum(T a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

@@ -127,5 +127,9 @@ class DistributedContext:
         return box[0]
 
     def shutdown(self) -> None:
+        """Tear the process group down; every rank must call it (it waits for all of them first,
+        so that no rank closes gloo's connections while a peer is still receiving)."""
         if dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
             dist.destroy_process_group()

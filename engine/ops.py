@@ -95,6 +95,7 @@ def load_op(name: str) -> ModuleType | None:
             return None
         from torch.utils.cpp_extension import load
 
+        log.info("op %s: building or loading from %s (a first build takes a while)", name, build_directory(spec.name))
         try:
             state.module = load(
                 name=spec.name,

@@ -464,6 +464,7 @@ def _fsdp_worker(rank: int, port: int, ckpt_dir: str) -> None:
         for p, q in zip(ours_m.parameters(), resumed_m.parameters()):
             assert torch.equal(p.to_local(), q.to_local())
             assert torch.equal(ours.state[p]["exp_avg"].to_local(), resumed.state[q]["exp_avg"].to_local())
+        dist.barrier()  # no rank tears gloo down while its peer is still communicating
     finally:
         dist.destroy_process_group()
 

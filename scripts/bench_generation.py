@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--peak-gbs", type=float, help="the device's peak memory bandwidth in GB/s")
     p.add_argument(
         "--fast", choices=["auto", "on", "off"], default="auto",

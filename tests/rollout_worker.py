@@ -1,13 +1,15 @@
 """Run under torchrun (or alone) by tests/test_rollout.py: FSDP2 train shards -> rollout mode.
 
 Writes a JSON file with the greedy sequences, the parity difference, whether training params
-are bitwise unchanged, and whether a deliberately corrupted rollout model is caught.
+are bitwise unchanged, whether the rollout model was released on exit, and whether a
+deliberately corrupted rollout model is caught.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import weakref
 
 import torch
 
@@ -43,6 +45,8 @@ def main() -> None:
     with rollout_mode(engine, tp_size=args.tp) as rollout:
         out = rollout.generate(prompts, mask, params)
         parity = rollout.parity_max_diff
+        inference = weakref.ref(rollout.model)
+    released = inference() is None  # the TP copy is gone once rollout mode exits
     unchanged = all(torch.equal(before[n], p.to_local()) for n, p in engine.model.named_parameters())
 
     caught = False
@@ -60,7 +64,7 @@ def main() -> None:
     if ctx.is_main:
         with open(args.out, "w") as f:
             json.dump({"sequences": out.sequences.tolist(), "action_mask": out.action_mask.tolist(),
-                       "parity": parity, "unchanged": unchanged, "caught": caught}, f)
+                       "parity": parity, "unchanged": unchanged, "caught": caught, "released": released}, f)
     ctx.shutdown()
 
 

@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from rlhf.engine.ops import OpSpec, load_op, register_op
+from rlhf.engine.sampling import sample_from_logits
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -239,16 +240,8 @@ def sample_tokens_reference(
     _check_sampling_args(logits, top_k, top_p)
     if not temperature > 0:
         return torch.argmax(logits, dim=-1)
-    if uniform is None:
-        uniform = torch.rand(logits.shape[0], device=logits.device, dtype=torch.float32, generator=generator)
     scores = filter_logits_reference(logits, temperature, top_k, top_p)
-    mass = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
-    cdf = mass.cumsum(dim=-1)
-    target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    vocab = logits.shape[-1]
-    last_positive = (vocab - 1) - torch.argmax((mass > 0).flip(-1).to(torch.uint8), dim=-1)
-    return torch.where(token < vocab, token, last_positive)
+    return sample_from_logits(scores, generator, uniform)
 
 
 def sample_tokens(

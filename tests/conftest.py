@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -80,3 +81,18 @@ def read_metrics(output: Path) -> list[dict]:
 
 def train_losses(output: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(output) if "loss" in row]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts ops that make the host wait for a device value (`.item()`, `bool(t)`, `nonzero`)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "_assert_async")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in func.__name__ for name in self.SYNCING):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

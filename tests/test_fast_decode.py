@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from rlhf.engine import fast_decode
@@ -18,6 +17,7 @@ from rlhf.engine.fast_decode import (
 from rlhf.engine.generation import HFForwardRunner, generate, select_runner
 from rlhf.engine.sampling import SamplingParams
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_model, tiny_config
+from tests.conftest import SyncCounter
 
 PAD = 0
 PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
@@ -194,27 +194,12 @@ def test_unsupported_models_take_the_hf_forward(tok, batch) -> None:
             assert torch.equal(auto.sequences, generate(model, ids, mask, _greedy(6), fast=False).sequences)
 
 
-class _SyncCounter(TorchDispatchMode):
-    """Counts ops that make the host wait for a device value (`.item()`, `bool(t)`, `nonzero`)."""
-
-    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "_assert_async")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(name in func.__name__ for name in self.SYNCING):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_fast_decode_steps_do_not_sync_with_the_host(models, batch) -> None:
     model, (ids, mask) = models["llama"], batch
 
     def syncs(max_new: int) -> int:
         params = SamplingParams(max_new_tokens=max_new, pad_token_id=PAD, top_k=5, top_p=0.9, sync_every=0)
-        with _SyncCounter() as counter:
+        with SyncCounter() as counter:
             generate(model, ids, mask, params, generator=torch.Generator().manual_seed(0), fast=True)
         return counter.count
 

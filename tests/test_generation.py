@@ -8,7 +8,6 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
@@ -20,6 +19,7 @@ from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.kv_cache import RolloutKVCache
 from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model, tiny_config
+from tests.conftest import SyncCounter
 
 PAD = 0
 PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
@@ -222,27 +222,12 @@ def test_inverse_cdf_draw_hand_values() -> None:
     assert sample_from_logits(logits, uniform=uniform).tolist() == [0, 0, 1, 3, 3]
 
 
-class _SyncCounter(TorchDispatchMode):
-    """Counts ops that make the host wait for a device value (`.item()`, `bool(t)`, `nonzero`)."""
-
-    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "_assert_async")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(name in func.__name__ for name in self.SYNCING):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_decode_steps_do_not_sync_with_the_host(models, batch) -> None:
     model, (ids, mask) = models["llama"], batch
 
     def syncs(max_new: int, sync_every: int) -> int:
         params = SamplingParams(max_new_tokens=max_new, pad_token_id=PAD, top_k=5, top_p=0.9, sync_every=sync_every)
-        with _SyncCounter() as counter:
+        with SyncCounter() as counter:
             generate(model, ids, mask, params, generator=torch.Generator().manual_seed(0))
         return counter.count
 

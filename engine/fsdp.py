@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.models.layers import decoder_layers
+from rlhf.engine.layers import decoder_layers
 
 log = get_logger(__name__)
 

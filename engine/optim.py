@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from rlhf.config import EngineConfig
+from rlhf.engine.config import EngineConfig
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)

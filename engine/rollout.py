@@ -93,6 +93,10 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(train_model.config, dtype=dtype)
     model.to_empty(device=ctx.device)
+    # to_empty gives every module its own new tensor, which unties tied input/output embeddings
+    # (Llama-3.2, Qwen2, SmolLM, Gemma): tie them again so the head reads the embedding.
+    if getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False):
+        model.tie_weights()
     # Non-persistent buffers (rotary inv_freq, ...) are not in any checkpoint: take them from train mode.
     train_buffers = dict(train_model.named_buffers())
     for name, buf in model.named_buffers():

@@ -32,7 +32,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import apply_fsdp, resolve_dtype
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
-from rlhf.config import EngineConfig
+from rlhf.engine.config import EngineConfig
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 

@@ -205,7 +205,7 @@ def _register_stages() -> None:
     def chat_command(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int) -> None:
         """Talk to a model: answers with a causal LM, scores 'prompt ||| response' with a reward model."""
-        from rlhf.chat import chat
+        from rlhf.stages.chat import chat
 
         chat(model_dir, prompt, max_new_tokens, temperature, top_p, seed)
 

@@ -202,7 +202,7 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
 def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: DistributedContext) -> dict[str, float]:
     """Task success of T=1 samples on held-out prompts, for the SFT and the PPO model (same seed)."""
     from rlhf.data.tasks import get_task
-    from rlhf.evaluation import task_success
+    from rlhf.stages.evaluation import task_success
 
     task = get_task(cfg.task)
     prompts = [json.loads(line)["prompt"] for line in eval_prompts.read_text().splitlines() if line.strip()]

@@ -39,13 +39,13 @@ from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
-from rlhf.experience import Experience, build_experience, global_whiten, mean_kl_per_sequence, shaped_scores
+from rlhf.stages.experience import Experience, build_experience, global_whiten, mean_kl_per_sequence, shaped_scores
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.value_model import load_value_model, value_model_from
 from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import finish_stage, start_stage
+from rlhf.stages.trainer import finish_stage, start_stage
 
 log = get_logger(__name__)
 

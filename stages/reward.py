@@ -44,7 +44,7 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import value_model_from
 from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
+from rlhf.stages.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 

@@ -31,7 +31,7 @@ from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.outputs import write_config
 from rlhf.tracking import Tracker
-from rlhf.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
+from rlhf.stages.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 

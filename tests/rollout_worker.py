@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from rlhf.config import EngineConfig
+from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.rollout import RolloutParityError, rollout_mode
 from rlhf.engine.sampling import SamplingParams

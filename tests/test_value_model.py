@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.errors import UserError
-from rlhf.models.layers import decoder_layers
+from rlhf.engine.layers import decoder_layers
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, save_tiny_model
 from rlhf.models.value_model import (
     ValueModel,

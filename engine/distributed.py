@@ -21,6 +21,21 @@ from rlhf.logging import get_logger
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class TPCoordinates:
+    """Where this rank sits among the tensor-parallel groups of size `size`.
+
+    Consecutive ranks form one group (they share a node): group `rank // size`, position
+    `rank % size` in it. The ranks of one group generate the same rollouts together, so they
+    must read the same prompts; the `num_groups` groups split the prompts between them.
+    """
+
+    size: int
+    group_index: int
+    rank_in_group: int
+    num_groups: int
+
+
 @dataclass
 class DistributedContext:
     """Rank, world size, device, and the meshes built over them.
@@ -90,15 +105,22 @@ class DistributedContext:
             )
         return self._replicate_mesh
 
-    def tp_mesh(self, tp_size: int) -> DeviceMesh:
-        """2-D (dp, tp) mesh with consecutive ranks in one TP group (they share a node)."""
+    def tp_coordinates(self, tp_size: int) -> TPCoordinates:
+        """This rank's TP group and place in it; the one check that `tp_size` fits the world."""
         if tp_size < 1 or self.world_size % tp_size:
             raise UserError(
-                f"inference_tp_size={tp_size} must divide the world size {self.world_size}"
+                f"--inference-tp-size {tp_size} must be >= 1 and divide the world size {self.world_size}; "
+                "pick a divisor of the number of processes"
             )
+        return TPCoordinates(size=tp_size, group_index=self.rank // tp_size, rank_in_group=self.rank % tp_size,
+                             num_groups=self.world_size // tp_size)
+
+    def tp_mesh(self, tp_size: int) -> DeviceMesh:
+        """2-D (dp, tp) mesh whose "tp" rows are the groups of `tp_coordinates` (consecutive ranks)."""
+        coords = self.tp_coordinates(tp_size)
         if tp_size not in self._tp_meshes:
             self._tp_meshes[tp_size] = init_device_mesh(
-                self.device_type, (self.world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp")
+                self.device_type, (coords.num_groups, tp_size), mesh_dim_names=("dp", "tp")
             )
         return self._tp_meshes[tp_size]
 

@@ -37,6 +37,7 @@ from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
+from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
 __all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "rms_norm", "apply_rope", "signed_sin"]
 
@@ -193,11 +194,19 @@ class FastLlamaDecoder:
     `cpu_kernel` "auto" uses it when it is supported and builds, True insists (ValueError
     naming the reason otherwise), False keeps the Python step (the reference). `kernel_isa`
     says which kernels the op uses ("avx2", "scalar"; None: the Python step).
+
+    The Python decode step attends through `kernels.decode_attention` (the CUDA flash-decoding
+    op over this decoder's [B, Hkv, S, D] cache and the padding mask) where `attention_kernel`
+    says so: "auto" where that op runs (a CUDA fp16/bf16 model with a head size it is built for),
+    True always (on the CPU that is the op's PyTorch reference, which is how the CPU tests check
+    the wiring), False never (SDPA, the reference). `uses_attention_kernel` says which.
+    `kernels.generation_kernels(False)` turns both "auto" kernels off.
     """
 
     def __init__(
         self, model: nn.Module, batch: int, max_len: int,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
+        attention_kernel: bool | Literal["auto"] = "auto",
     ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:
@@ -235,10 +244,16 @@ class FastLlamaDecoder:
         self.max_len = max_len
         self._kernel_step = self._build_kernel_step(cpu_kernel, kernel_isa) if cpu_kernel is not False else None
         self.kernel_isa: str | None = None if self._kernel_step is None else self._kernel_step.isa
+        self.uses_attention_kernel = attention_kernel is True or (
+            attention_kernel == "auto"
+            and decode_attention_kernel_unsupported_reason(device, dtype, self.head_dim, batch) is None
+        )
 
     def _build_kernel_step(self, cpu_kernel: bool | Literal["auto"], isa: str) -> Any:
         """The fused CPU decode step over this decoder's weights, tables and cache, or None."""
         reason = cpu_decode_unsupported_reason(self.embed.device, self.embed.dtype, self.act)
+        if reason is None and cpu_kernel == "auto" and not generation_kernels_enabled():
+            reason = "generation kernels are turned off (generation_kernels(False))"
         module = load_cpu_decode_op() if reason is None else None
         if reason is None and module is None:
             reason = "the rlhf_cpu_decode op could not be built (see the warning above)"
@@ -266,6 +281,7 @@ class FastLlamaDecoder:
         """x [B*T, hidden] -> attention output [B*T, hidden] ([B, hidden] when `last_only`).
 
         Writes this step's keys and values at [self.length, self.length + T) of the cache.
+        A 2-D `mask` is the boolean key mask [B, cached + 1] of a decode step for the kernel.
         """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
@@ -277,7 +293,11 @@ class FastLlamaDecoder:
         values.narrow(2, self.length, steps).copy_(qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2))
         k, v = keys.narrow(2, 0, end), values.narrow(2, 0, end)
         groups = heads // kv_heads
-        if steps == 1 or last_only:
+        if mask.dim() == 2:
+            # The kernel reads the cache buffer in place, only at the positions the mask allows.
+            q = qk[:, -1].narrow(1, 0, heads)  # [B, H, D]: head h reads KV head h // groups
+            out = decode_attention(q, keys, values, mask, scale=self.scaling).reshape(batch, heads * head_dim)
+        elif steps == 1 or last_only:
             # One query per sequence: the `groups` query heads sharing a KV head become that
             # head's query rows (transformers' pack_gqa), so each cached key is read once.
             q = qk[:, -1].narrow(1, 0, heads).reshape(batch, kv_heads, groups, head_dim)
@@ -301,7 +321,8 @@ class FastLlamaDecoder:
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] at positions [B, T] after the cached ones -> [B, V] logits of the last.
 
-        `mask` [B, 1, T, cached + T] is boolean (True = visible) or additive. The last layer
+        `mask` [B, 1, T, cached + T] is boolean (True = visible) or additive, or for one token
+        per sequence through `kernels.decode_attention` the key mask [B, cached + 1]. The last layer
         runs its attention output, MLP and the final norm only for the last position (prefill
         skips ~20% of its matmuls): nothing else reaches the logits.
         """
@@ -345,5 +366,7 @@ class FastLlamaDecoder:
             logits = self._kernel_step.step(tokens, position_ids, attention_mask, self.length)
             self.length += 1
             return logits
+        if self.uses_attention_kernel:
+            return self._forward(tokens, position_ids, attention_mask.bool())
         # Additive, made once per step: SDPA would otherwise convert a boolean mask in every layer.
         return self._forward(tokens, position_ids, self._additive(attention_mask.bool()[:, None, None, :]))

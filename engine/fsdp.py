@@ -1,15 +1,15 @@
 """Train mode: apply activation checkpointing and FSDP2 to a plain Hugging Face model.
 
 The order is fixed (as in torchtitan): activation checkpointing per decoder layer, then
-`fully_shard` on each decoder layer, then on the root (embeddings, final norm, head). ZeRO stages
-map onto FSDP2 as DESIGN.md says:
-
-    3    -> shard params, grads and optimizer state; reshard params after forward
-    1, 2 -> shard grads and optimizer state; keep params gathered from forward until backward
-    0    -> replicate everything (HSDP over a (world, 1) mesh: data parallel, nothing sharded)
+`fully_shard` on each decoder layer, then on the root (embeddings, final norm, head). What a ZeRO
+stage means is written once, in `sharding_plan`; `apply_fsdp`, `TrainEngine` and `FrozenModel`
+read the plan, never the stage number.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -52,23 +52,61 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         config.use_cache = False
 
 
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What a ZeRO stage means under FSDP2 (DESIGN.md's mapping), for a trained or a frozen model.
+
+    Trained models:
+        3    -> shard params, grads and optimizer state; reshard params after forward; reduce-scatter
+                grads every micro-step (they stay sharded)
+        1, 2 -> shard grads and optimizer state; keep params gathered from forward until backward;
+                accumulate unsharded grads locally and communicate once per optimizer step
+        0    -> replicate everything (HSDP over a (world, 1) mesh: data parallel, nothing sharded)
+    Frozen models (reference policy, reward model) take the same plan, except that stage 0 is
+    sharded like stage 3: a frozen model has no grads and no optimizer state, so sharding its
+    params is the only saving ZeRO can offer it, and replicating it would cost memory for nothing.
+    """
+
+    zero_stage: int
+    """The stage the plan was made from (after the frozen 0 -> 3 rule)."""
+    mesh: Literal["shard", "replicate"]
+    """"shard": the 1-D ("dp",) mesh over all ranks; "replicate": the (world, 1) HSDP mesh."""
+    reshard_after_forward: bool
+    """Free the gathered params after forward (gather again in backward) instead of keeping them."""
+    sync_grads_every_micro_step: bool
+    """Reduce grads after every micro-batch's backward, not only at the accumulation boundary."""
+
+
+def sharding_plan(zero_stage: int, trainable: bool = True) -> ShardingPlan:
+    """The ShardingPlan of `zero_stage` (0-3, validated by the config) for a trained or frozen model."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
+    if not trainable and zero_stage == 0:
+        zero_stage = 3
+    return ShardingPlan(
+        zero_stage=zero_stage,
+        mesh="replicate" if zero_stage == 0 else "shard",
+        reshard_after_forward=zero_stage == 3,
+        sync_grads_every_micro_step=zero_stage == 3,
+    )
+
+
 def apply_fsdp(
     model: nn.Module,
     ctx: DistributedContext,
-    zero_stage: int,
+    plan: ShardingPlan,
     dtype: str,
     offload: bool,
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """Wrap `model` in place for training; returns it (now an FSDPModule with DTensor params)."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise UserError(f"zero_stage={zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
-    if offload and zero_stage == 0:
-        raise UserError("offload needs sharded optimizer state: use zero_stage 1, 2 or 3 with --offload")
+    """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params)."""
+    if offload and plan.mesh == "replicate":
+        # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
+        raise ValueError("offload needs sharded optimizer state: a replicated (ZeRO-0) plan cannot offload")
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
-    mesh = ctx.replicate_mesh if zero_stage == 0 else ctx.mesh
-    reshard = zero_stage == 3
+    mesh = ctx.replicate_mesh if plan.mesh == "replicate" else ctx.mesh
+    reshard = plan.reshard_after_forward
     mp_policy = mixed_precision_policy(dtype)
     offload_policy: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy()
@@ -81,7 +119,7 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
     log.info(
         "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s world=%d",
-        zero_stage, dtype, offload, len(layers), gradient_checkpointing, ctx.world_size,
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, ctx.world_size,
     )
     return model
 

@@ -22,7 +22,10 @@ This torch loop is the reference that faster paths (CUDA graphs, csrc kernels) m
 `FastLlamaDecoder` (engine/fast_decode.py), the same math as plain functions over the model's
 weights, which skips the Python overhead of the HF forward; anything it does not support
 (other families, sliding windows, DTensor parameters, hooks, ...) takes the HF forward, and
-`fast=False` always does.
+`fast=False` always does. On CUDA the csrc kernels run behind the same calls: sampling through
+the fused sampling kernel (`sample_next_token`), and the fast decoder's decode-step attention
+through the flash-decoding kernel (engine/kernels.py); both match the torch path, and
+`kernels.generation_kernels(False)` runs the torch path only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache
+from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.sampling import SamplingParams, sample_next_token
 from rlhf.logging import get_logger
 
@@ -80,45 +84,28 @@ def _last_logits(logits: torch.Tensor) -> torch.Tensor:
     return last
 
 
-def prefill(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: RolloutKVCache,
-) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache; -> [B, V] logits of the last position."""
-    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        **kwargs,
-    )
+def _cached_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, cache: RolloutKVCache, **kwargs: int) -> torch.Tensor:
+    """The model's own forward over `cache` (which it extends); -> [B, V] logits of the last position."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, **kwargs)
     return _last_logits(out.logits)
 
 
-def decode_step(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: RolloutKVCache,
-) -> torch.Tensor:
+def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            cache: RolloutKVCache) -> torch.Tensor:
+    """Run the prompt through the model, filling the cache; -> [B, V] logits of the last position."""
+    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    return _cached_forward(model, input_ids, attention_mask, position_ids, cache, **kwargs)
+
+
+def decode_step(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: RolloutKVCache) -> torch.Tensor:
     """Feed one new token per sequence ([B, 1]) at `position_ids` ([B, 1]); -> [B, V] next logits.
 
     `attention_mask` covers every cached token plus this one ([B, cached + 1]).
     """
-    out = model(
-        input_ids=tokens,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return _last_logits(out.logits)
+    return _cached_forward(model, tokens, attention_mask, position_ids, cache)
 
 
 class StepRunner(Protocol):
@@ -227,7 +214,7 @@ def generate(
     model_mask = torch.ones((batch, total_len), dtype=attention_mask.dtype, device=device)
     model_mask[:, :prompt_len] = attention_mask
     # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
-    prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    prompt_positions = position_ids_from_mask(attention_mask)
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
     eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -1,7 +1,11 @@
 """Inference-only models of the hybrid engine (reference policy, reward model).
 
-They are FSDP2-sharded like the trained models (ZeRO-3 by default, optionally offloaded to CPU)
-but have no optimizer; every call runs under no_grad in micro-batches.
+They are FSDP2-sharded like the trained models, by `sharding_plan(zero_stage, trainable=False)`
+(which shards stage 0 like stage 3: see ShardingPlan), optionally offloaded to CPU, but have no
+optimizer; every call runs under no_grad in micro-batches. Their weights are held in the compute
+dtype (bf16/fp16 halve their memory against fp32): a frozen model has no master weights to keep
+precise, and FSDP2's mixed-precision policy casts every parameter to that dtype for each forward
+anyway, so the outputs are bit-for-bit those of an fp32 copy run in mixed precision.
 """
 
 from __future__ import annotations
@@ -10,23 +14,27 @@ import torch
 from torch import nn
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import apply_fsdp
+from rlhf.engine.fsdp import COMPUTE_DTYPES, apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.logprobs import logprobs_from_logits
+from rlhf.engine.positions import position_ids_from_mask
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
 
-def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counting real tokens only, as generation assigns them to left-padded prompts."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def causal_lm_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [B, T-1] of each next token, logits [B, T, V]) of a causal LM."""
     logits = model(input_ids=sequences, attention_mask=attention_mask,
-                   position_ids=position_ids_for(attention_mask), use_cache=False).logits
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
     return logprobs_from_logits(logits, sequences), logits
+
+
+def micro_batch_slices(n: int, size: int) -> list[slice]:
+    """Consecutive slices of at most `size` rows covering range(n): the micro-batches of every
+    batched forward (frozen models, the PPO actor's old log-probs and the critic's values)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 class FrozenModel:
@@ -36,23 +44,24 @@ class FrozenModel:
                  micro_batch_size: int, name: str) -> None:
         model.requires_grad_(False)
         model.eval()
-        self.model = apply_fsdp(model, ctx, zero_stage if zero_stage > 0 else 3, dtype, offload)
+        dtype = resolve_dtype(dtype, ctx.device)
+        for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
+            param.data = param.data.to(COMPUTE_DTYPES[dtype])
+        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload)
         self.ctx = ctx
         self.micro_batch_size = micro_batch_size
         self.name = name
 
-    def _chunks(self, n: int) -> list[slice]:
-        return [slice(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
-
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Log-prob of each next token ([B, T-1]); the model must be a causal LM."""
-        parts = [causal_lm_logprobs(self.model, sequences[s], attention_mask[s])[0] for s in self._chunks(len(sequences))]
+        parts = [causal_lm_logprobs(self.model, sequences[s], attention_mask[s])[0]
+                 for s in micro_batch_slices(len(sequences), self.micro_batch_size)]
         return torch.cat(parts)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Sequence scores ([B]) of a value/reward model at each row's last real token."""
-        parts = [self.model.score(sequences[s], attention_mask[s], position_ids=position_ids_for(attention_mask[s]))
-                 for s in self._chunks(len(sequences))]
+        parts = [self.model.score(sequences[s], attention_mask[s], position_ids=position_ids_from_mask(attention_mask[s]))
+                 for s in micro_batch_slices(len(sequences), self.micro_batch_size)]
         return torch.cat(parts).float()

@@ -8,20 +8,27 @@ parity on a GPU). Neither path synchronises with the host.
 - `decode_attention`: one query token per sequence over a static KV cache [B, Hkv, S, D] with
   grouped-query attention and per-sequence valid lengths or a key padding mask (left-padded
   prompts); the CUDA op is flash-decoding (split-K over the sequence plus a merge kernel).
-- `sample_tokens`: temperature, then top-k, then top-p (Hugging Face's warper order), then one
-  inverse-CDF draw per row from a uniform number generated on the device.
+- `sample_tokens`: `rlhf.engine.sampling.process_logits` (temperature, top-k, top-p in Hugging
+  Face's warper order) then one inverse-CDF draw per row from a uniform number generated on the
+  device, as `sample_from_logits` draws.
 - `fused_selective_log_softmax_forward`: the CUDA forward used by
   `rlhf.engine.logprobs.selective_log_softmax` (log-prob of chosen tokens, fp32, one pass).
+
+`generate` calls the first two on CUDA tensors: `sample_next_token` samples with
+`sample_tokens`, and `FastLlamaDecoder`'s decode steps attend with `decode_attention`.
+`generation_kernels(False)` turns every generation fast path off for a block (the reference).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
 from rlhf.engine.ops import OpSpec, load_op, register_op
-from rlhf.engine.sampling import sample_from_logits
+from rlhf.engine.sampling import process_logits, sample_from_logits
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -55,6 +62,29 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
+
+
+_generation_kernels_enabled = True
+
+
+def generation_kernels_enabled() -> bool:
+    """Whether generation may take its csrc fast paths (see `generation_kernels`)."""
+    return _generation_kernels_enabled
+
+
+@contextlib.contextmanager
+def generation_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, generation's csrc kernels are used where they apply (True, the default
+    outside any block) or every step runs its PyTorch reference (False): decode attention and
+    sampling here, the fused CPU sampler and decode step (engine/cpu_decode.py). This is how a
+    test or a benchmark compares a fast path with the reference inside one process, in the
+    manner of `torch.nn.attention.sdpa_kernel`. Not thread-safe: a process-wide setting."""
+    global _generation_kernels_enabled
+    previous, _generation_kernels_enabled = _generation_kernels_enabled, enabled
+    try:
+        yield
+    finally:
+        _generation_kernels_enabled = previous
 
 
 def _cuda_op(spec: OpSpec, *tensors: torch.Tensor) -> ModuleType | None:
@@ -92,11 +122,7 @@ def _key_mask(lengths_or_mask: torch.Tensor, batch: int, cache_len: int) -> torc
 
 
 def decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lengths_or_mask: torch.Tensor,
-    scale: float | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths_or_mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over a KV cache, in fp32.
 
@@ -128,14 +154,40 @@ def decode_attention_reference(
     return out.unsqueeze(2) if squeeze else out
 
 
+def _decode_attention_shape_reason(dtype: torch.dtype, head_dim: int, batch: int) -> str | None:
+    """Why the CUDA op cannot take a cache of this dtype, head size and batch, or None."""
+    if dtype not in _HALF_DTYPES:
+        return f"dtype {dtype} (float16 or bfloat16 only)"
+    if head_dim not in DECODE_ATTENTION_HEAD_DIMS:
+        return f"head_dim {head_dim} (supported: {DECODE_ATTENTION_HEAD_DIMS})"
+    if batch > 65535:
+        return f"batch {batch} > 65535"
+    return None
+
+
+def decode_attention_kernel_unsupported_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, batch: int
+) -> str | None:
+    """Why `decode_attention` would not run its CUDA op for a KV cache of these properties (a
+    contiguous [B, Hkv, S, D] buffer, as FastLlamaDecoder's), or None when it will; builds the
+    op on first use."""
+    if not generation_kernels_enabled():
+        return "generation kernels are turned off (generation_kernels(False))"
+    if device.type != "cuda":
+        return f"the cache is on {device.type}, not CUDA"
+    reason = _decode_attention_shape_reason(dtype, head_dim, batch)
+    if reason is None and load_op(DECODE_ATTENTION_OP.name) is None:
+        reason = "the rlhf_decode_attention op could not be built (see the warning above)"
+    return reason
+
+
 def _decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None when the CUDA op accepts these tensors, else why not."""
-    if q.dtype not in _HALF_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"dtype {q.dtype}/{k_cache.dtype}/{v_cache.dtype} (float16 or bfloat16 only)"
-    if q.shape[-1] not in DECODE_ATTENTION_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (supported: {DECODE_ATTENTION_HEAD_DIMS})"
-    if q.shape[0] > 65535:
-        return f"batch {q.shape[0]} > 65535"
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtype {q.dtype}/{k_cache.dtype}/{v_cache.dtype} (one dtype for q, keys and values)"
+    reason = _decode_attention_shape_reason(q.dtype, q.shape[-1], q.shape[0])
+    if reason is not None:
+        return reason
     for t in (k_cache, v_cache):
         # 16-byte vector loads of K rows need aligned row starts.
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
@@ -146,16 +198,12 @@ def _decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lengths_or_mask: torch.Tensor,
-    scale: float | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths_or_mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """`decode_attention_reference` semantics; the CUDA flash-decoding op when available."""
     if q.dim() not in (3, 4) or (q.dim() == 4 and q.shape[2] != 1):
         raise ValueError(f"decode_attention: q must be [B, H, D] or [B, H, 1, D], got {tuple(q.shape)}")
-    op = _cuda_op(DECODE_ATTENTION_OP, q, k_cache, v_cache, lengths_or_mask)
+    op = _cuda_op(DECODE_ATTENTION_OP, q, k_cache, v_cache, lengths_or_mask) if generation_kernels_enabled() else None
     if op is not None:
         reason = _decode_attention_supported(q, k_cache, v_cache)
         if reason is not None:
@@ -190,82 +238,44 @@ def _check_sampling_args(logits: torch.Tensor, top_k: int, top_p: float) -> None
         raise ValueError(f"sample_tokens: top_p must be in [0, 1], got {top_p}")
 
 
-def filter_logits_reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, top-k, top-p over [B, V] logits -> fp32 scores with removed tokens at -inf.
-
-    x = logits / temperature (temperature > 0). Top-k keeps x >= the k-th largest x (ties at
-    the threshold are kept, as in `TopKLogitsWarper`); 0 or >= V disables it. Top-p then keeps
-    x whose mass strictly above it, sum of e^(y - max) over survivors y > x, is below top_p
-    times the survivors' total; the maximum always survives; 1 disables it. Without ties this
-    is exactly `TopPLogitsWarper`; with ties at the boundary the whole tie group is kept rather
-    than a sort-order-dependent part of it, so a kernel can reproduce it without sorting.
-    """
-    scores = logits.float() / temperature
-    vocab = scores.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        row_max = scores.max(dim=-1, keepdim=True).values
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        sorted_mass = torch.exp(sorted_scores - row_max)
-        inclusive = sorted_mass.cumsum(dim=-1)
-        exclusive = torch.nn.functional.pad(inclusive[..., :-1], (1, 0))
-        # Mass strictly above an element = exclusive sum at the first element of its tie group.
-        descending_as_ascending = -sorted_scores
-        first_of_group = torch.searchsorted(descending_as_ascending, descending_as_ascending, right=False)
-        above = exclusive.gather(-1, first_of_group)
-        keep = (above < top_p * inclusive[..., -1:]) | (above == 0)
-        threshold = torch.where(keep, sorted_scores, float("inf")).min(dim=-1, keepdim=True).values
-        scores = scores.masked_fill(scores < threshold, float("-inf"))
-    return scores
+# The sampling kernel's filter is the generation loop's: one definition (see process_logits).
+filter_logits_reference = process_logits
 
 
 def sample_tokens_reference(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    uniform: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    uniform: torch.Tensor | None = None, generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Next token per row of [B, V] logits -> [B] int64, without host synchronisation.
 
     temperature <= 0 is greedy: the first index of the maximum raw logit (`torch.argmax`).
-    Otherwise `filter_logits_reference`, then with masses m_i = e^(x_i - max) (0 if removed)
-    and u the row's uniform number in [0, 1): the first index i (vocabulary order) with
-    m_0 + ... + m_i > u * sum(m); if rounding leaves none, the last index with m_i > 0.
-    `uniform` [B] float32 is drawn with `generator` when not given.
+    Otherwise `process_logits` (temperature, top-k, top-p), then one inverse-CDF draw per row
+    by `sample_from_logits` from `uniform` [B] float32 (drawn with `generator` when not given).
     """
     _check_sampling_args(logits, top_k, top_p)
     if not temperature > 0:
         return torch.argmax(logits, dim=-1)
-    scores = filter_logits_reference(logits, temperature, top_k, top_p)
-    return sample_from_logits(scores, generator, uniform)
+    return sample_from_logits(process_logits(logits, temperature, top_k, top_p), generator, uniform)
 
 
 def sample_tokens(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    generator: torch.Generator | None = None, uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sample_tokens_reference` semantics; the fused CUDA kernel when available.
 
     Randomness comes from `uniform` [B] (float32, on the logits' device) or, when None, from
-    `torch.rand(..., generator=generator)` on the device, so no step waits for the host and
-    a seeded generator reproduces a rollout on either path.
+    `torch.rand(..., generator=generator)` on the device, exactly as the reference draws it, so
+    no step waits for the host and a seeded generator gives the same tokens on either path.
     """
-    _check_sampling_args(logits, top_k, top_p)
-    if temperature > 0 and uniform is None:
-        uniform = torch.rand(logits.shape[0], device=logits.device, dtype=torch.float32, generator=generator)
-    op = _cuda_op(SAMPLING_OP, logits)
+    op = _cuda_op(SAMPLING_OP, logits) if generation_kernels_enabled() else None
     if op is None or logits.stride(-1) != 1 or logits.shape[-1] >= 2**31:
-        return sample_tokens_reference(logits, temperature, top_k, top_p, uniform=uniform)
-    if uniform is None:  # greedy: the kernel never reads it
+        return sample_tokens_reference(logits, temperature, top_k, top_p, uniform, generator)
+    _check_sampling_args(logits, top_k, top_p)
+    if not temperature > 0:  # greedy: the kernel never reads the uniforms
         uniform = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    elif uniform is None:
+        uniform = torch.rand(logits.shape[0], device=logits.device, dtype=torch.float32, generator=generator)
     return op.sample_tokens(logits, uniform.float(), float(temperature), int(top_k), float(top_p))
 
 
@@ -294,8 +304,11 @@ def fused_selective_log_softmax_forward(
 __all__ = [
     "DECODE_ATTENTION_HEAD_DIMS",
     "decode_attention",
+    "decode_attention_kernel_unsupported_reason",
     "decode_attention_reference",
     "filter_logits_reference",
+    "generation_kernels",
+    "generation_kernels_enabled",
     "fused_selective_log_softmax_forward",
     "sample_tokens",
     "sample_tokens_reference",

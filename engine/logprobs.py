@@ -149,46 +149,58 @@ def logprobs_from_logits(
 
 
 class _ChunkedEntropy(torch.autograd.Function):
-    """H = logsumexp(x) - sum_i p_i x_i per row, fp32; dH/dx_i = -p_i (x_i - sum_j p_j x_j)."""
+    """H = -sum_i p_i log p_i per row, fp32; dH/dx_i = -p_i (log p_i + H).
+
+    Written over x - max(x) (log p_i = x_i - max - logsumexp(x - max)), so large logits do not
+    cancel: logsumexp(x) - sum_i p_i x_i would lose H in the rounding of two numbers near max(x).
+    """
 
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, rows: int) -> torch.Tensor:
         batch, time, _ = logits.shape
         compute = _compute_dtype(logits.dtype)
         entropy = torch.empty(batch * time, dtype=compute, device=logits.device)
-        lse = torch.empty_like(entropy)
+        shifts = torch.empty_like(entropy)
+        shifted_lse = torch.empty_like(entropy)
         for chunk, r0, r1 in _row_chunks(logits, rows):
             x = chunk.to(compute)
-            chunk_lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            p = torch.exp(x - chunk_lse)
+            row_max = x.amax(dim=-1, keepdim=True)
+            shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+            chunk_lse = torch.logsumexp(x - shift, dim=-1, keepdim=True)
+            log_p = x - shift - chunk_lse
+            p = torch.exp(log_p)
             # -inf logits have p = 0; 0 * -inf would be NaN, their true contribution is 0.
-            mean_x = torch.where(p > 0, p * x, 0.0).sum(dim=-1)
-            lse[r0:r1] = chunk_lse.squeeze(-1)
-            entropy[r0:r1] = chunk_lse.squeeze(-1) - mean_x
-        ctx.save_for_backward(logits, lse, entropy)
+            entropy[r0:r1] = -torch.where(p > 0, p * log_p, 0.0).sum(dim=-1)
+            shifts[r0:r1] = shift.squeeze(-1)
+            shifted_lse[r0:r1] = chunk_lse.squeeze(-1)
+        ctx.save_for_backward(logits, shifts, shifted_lse, entropy)
         ctx.rows = rows
         return entropy.view(batch, time)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, lse, entropy = ctx.saved_tensors
+        logits, shifts, shifted_lse, entropy = ctx.saved_tensors
         batch, time, vocab = logits.shape
         grad = torch.empty((batch, time, vocab), dtype=logits.dtype, device=logits.device)
         grad_flat = grad.view(batch * time, vocab)
-        go = grad_entropy.reshape(-1, 1).to(lse.dtype)
-        lse, mean_x = lse[:, None], (lse - entropy)[:, None]
+        go = grad_entropy.reshape(-1, 1).to(entropy.dtype)
+        shifts, shifted_lse, entropy = shifts[:, None], shifted_lse[:, None], entropy[:, None]
         for chunk, r0, r1 in _row_chunks(logits, ctx.rows):
-            x = chunk.to(lse.dtype)
-            p = torch.exp(x - lse[r0:r1])
-            g = torch.where(p > 0, p * (x - mean_x[r0:r1]), 0.0).mul_(-go[r0:r1])
+            log_p = chunk.to(entropy.dtype) - shifts[r0:r1] - shifted_lse[r0:r1]
+            p = torch.exp(log_p)
+            g = torch.where(p > 0, p * (log_p + entropy[r0:r1]), 0.0).mul_(-go[r0:r1])
             grad_flat[r0:r1].copy_(g)
         return grad, None
 
 
 def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dimension, fp32 [...], chunked like
-    `selective_log_softmax` (no fp32 copy of the whole logits). Differentiable."""
+    `selective_log_softmax` (no fp32 copy of the whole logits). Differentiable.
+
+    The project's one entropy function (PPO's entropy bonus and metric): -inf logits (top-k/top-p
+    masking) contribute 0 instead of NaN, and huge logits keep their precision.
+    """
     leading = logits.shape[:-1]
     logits3d = _to_3d(logits, leading if len(leading) else torch.Size([1]))
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)

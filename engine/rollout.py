@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES
 from rlhf.engine.generation import GenerationOutput, generate
-from rlhf.engine.logprobs import logprobs_from_logits
+from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
@@ -145,10 +145,12 @@ def load_rollout_weights(inference: nn.Module, train_model: nn.Module, ctx: Dist
 
 
 def sequence_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each token given its prefix ([B, T-1], position t scores token t+1)."""
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
-    return logprobs_from_logits(logits, sequences)
+    """Log-prob of each token given its prefix ([B, T-1], position t scores token t+1).
+
+    The same forward as the frozen reference model's (`causal_lm_logprobs`), so the parity check
+    compares exactly what PPO computes in train mode.
+    """
+    return causal_lm_logprobs(model, sequences, attention_mask)[0]
 
 
 @dataclass
@@ -200,6 +202,7 @@ def default_parity_tolerance(dtype: str) -> float:
 def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None = None) -> Iterator[Rollout]:
     """Switch `engine`'s model to tensor-parallel inference for the duration of the block."""
     ctx = engine.ctx
+    ctx.tp_coordinates(tp_size)  # the world-size check, before anything is built
     dtype = COMPUTE_DTYPES[engine.dtype]
     was_training = engine.model.training
     log.info("rollout mode: enter (train mode: %s)", memory_snapshot(ctx.device))

@@ -1,16 +1,18 @@
 """Next-token selection: logits -> token ids, with greedy, temperature, top-k and top-p.
 
 Pure tensor functions with no host synchronisation (no `.item()`, no branching on tensor
-values), so they can run inside a decode step that is captured or compiled, and so a fused
-kernel can later replace them behind the same signature. The semantics follow Hugging Face's
-`TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`, applied in that order
-(the order `transformers.generate` uses), which tests/test_generation.py checks.
+values), so they can run inside a decode step that is captured or compiled. The semantics follow
+Hugging Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`, applied in
+that order (the order `transformers.generate` uses), which tests/test_generation.py checks.
+`process_logits` and `sample_from_logits` are the reference; `sample_next_token` runs the fused
+kernels behind it where they apply (`sampler_path` says which), drawing the same tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -69,7 +71,17 @@ def process_logits(
     """Temperature, then top-k, then top-p over [..., vocab] logits, in float32.
 
     Removed tokens get -inf, so `softmax` of the result is the distribution sampled from.
-    At least one token (the most likely) always survives.
+    At least one token (the most likely) always survives. This is the one definition of the
+    filter: the generation loop, the fused CUDA sampling kernel (engine/kernels.py,
+    csrc/generation/sampling.cu) and its reference all follow it.
+
+    x = logits / temperature. Top-k keeps x >= the k-th largest x (ties with the k-th are kept,
+    as `TopKLogitsWarper`); 0 or >= vocab disables it. Top-p is `TopPLogitsWarper` with a
+    stable sort: ordering the survivors from most to least likely, with tied tokens in
+    descending id order (what HF's ascending sort gives when it is stable), a token is kept
+    while the mass before it is below top_p of the total; 1 disables it. HF's own sort is not
+    stable, so on a tie at the top-p boundary it keeps an arbitrary part of the tie group; here
+    the tied tokens with the highest ids are kept, deterministically on every device.
     """
     scores = logits.float()
     if temperature != 1.0:
@@ -78,15 +90,26 @@ def process_logits(
         kth_best = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
     if top_p < 1.0:
-        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        # Drop the low tail whose total mass stays within 1 - top_p; the most likely token
-        # (last in ascending order) is always kept.
-        sorted_remove = cumulative <= (1.0 - top_p)
-        sorted_remove[..., -1] = False
-        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
-        scores = scores.masked_fill(remove, float("-inf"))
+        scores = scores.masked_fill(_top_p_removed(scores, top_p), float("-inf"))
     return scores
+
+
+def _top_p_removed(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask of the tokens top-p removes from float32 `scores` (see `process_logits`).
+
+    Keep rule "mass strictly before the token < top_p x total", with masses e^(x - max): the
+    same comparison as HF's "ascending cumulative probability <= 1 - top_p" removes, written so
+    that the CUDA kernel, which finds the threshold without sorting, computes the same sums.
+    """
+    ascending, order = torch.sort(scores, dim=-1, stable=True)
+    descending, order = ascending.flip(-1), order.flip(-1)
+    mass = torch.exp(descending - descending[..., :1])
+    inclusive = mass.cumsum(dim=-1)
+    before = torch.nn.functional.pad(inclusive[..., :-1], (1, 0))
+    keep = before < top_p * inclusive[..., -1:]
+    keep[..., 0] = True  # the most likely token always survives
+    removed = ~keep
+    return removed.scatter(-1, order, removed)
 
 
 def sample_from_logits(
@@ -126,14 +149,45 @@ def _fused_cpu_sampler(logits: torch.Tensor, params: SamplingParams) -> Callable
     return None if op is None else op.sample
 
 
+SamplerPath = Literal["greedy", "cuda_kernel", "cpu_kernel", "reference"]
+
+
+def sampler_path(logits: torch.Tensor, params: SamplingParams) -> SamplerPath:
+    """Which implementation `sample_next_token` runs for these logits (all draw the same tokens).
+
+    CUDA logits go to the fused CUDA kernel (`kernels.sample_tokens`, which itself falls back
+    to the reference when its op cannot be built); float32 CPU logits under plain temperature
+    sampling go to the csrc CPU sampler where it builds; anything else, and everything inside
+    `kernels.generation_kernels(False)`, runs the PyTorch reference.
+    """
+    from rlhf.engine.kernels import generation_kernels_enabled  # kernels imports this module
+
+    if not params.do_sample:
+        return "greedy"
+    if not generation_kernels_enabled():
+        return "reference"
+    if logits.is_cuda:
+        return "cuda_kernel"
+    return "cpu_kernel" if _fused_cpu_sampler(logits, params) is not None else "reference"
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64."""
-    if not params.do_sample:
+    """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64.
+
+    Every path draws one uniform per row with `generator` on the logits' device, as
+    `sample_from_logits` does, so a seeded generator gives the same tokens on each of them.
+    """
+    path = sampler_path(logits, params)
+    if path == "greedy":
         return torch.argmax(logits, dim=-1)
-    fused = _fused_cpu_sampler(logits, params)
-    if fused is not None:
+    if path == "cuda_kernel":
+        from rlhf.engine.kernels import sample_tokens
+
+        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator=generator)
+    if path == "cpu_kernel":
+        fused = _fused_cpu_sampler(logits, params)
         uniform = torch.rand(logits.shape[0], dtype=torch.float32, generator=generator)  # as sample_from_logits draws
         return fused(logits, uniform, params.temperature)
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p)

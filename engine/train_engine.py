@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import apply_fsdp, resolve_dtype
+from rlhf.engine.fsdp import apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
 from rlhf.engine.config import EngineConfig
@@ -40,10 +40,11 @@ log = get_logger(__name__)
 
 
 def resolve_batch_size(config: EngineConfig, dp_size: int, where: str = "config") -> None:
-    """Fill in grad_accum / train_batch_size and check micro x accum x dp = global (DeepSpeed's rule)."""
+    """Fill in grad_accum / train_batch_size and check micro x accum x dp = global (DeepSpeed's rule).
+
+    The one batch rule that needs the world size; each size's own range (>= 1) is checked where
+    EngineConfig defines it."""
     micro = config.micro_batch_size
-    if micro < 1:
-        raise UserError(f"{where}: micro_batch_size must be >= 1 (got {micro})")
     if config.train_batch_size is None:
         config.grad_accum = config.grad_accum or 1
         config.train_batch_size = micro * config.grad_accum * dp_size
@@ -60,8 +61,6 @@ def resolve_batch_size(config: EngineConfig, dp_size: int, where: str = "config"
             f"{config.grad_accum} x data-parallel size {dp_size} = {micro * config.grad_accum * dp_size}; "
             "make them agree (or leave one of train_batch_size / grad_accum unset)"
         )
-    if config.grad_accum < 1:
-        raise UserError(f"{where}: grad_accum must be >= 1 (got {config.grad_accum})")
 
 
 @dataclass
@@ -90,9 +89,8 @@ class TrainEngine:
         if self.dtype == "fp16" and ctx.device.type == "cpu":
             log.warning("%s: fp16 on CPU is slow and only meant for testing", name)
         self.grad_accum: int = config.grad_accum or 1
-        self.model = apply_fsdp(
-            model, ctx, config.zero_stage, self.dtype, config.offload, config.gradient_checkpointing
-        )
+        self.plan = sharding_plan(config.zero_stage, trainable=True)
+        self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, config, torch.device("cpu") if config.offload else ctx.device)
         self.scheduler = build_scheduler(self.optimizer, config, total_steps)
         self.scaler = (
@@ -106,7 +104,6 @@ class TrainEngine:
         self.micro_step = 0
         self.global_step = 0
         self.skipped_steps = 0
-        self._sync_each_micro_step = config.zero_stage == 3
 
     # ------------------------------------------------------------------ train loop
 
@@ -122,11 +119,10 @@ class TrainEngine:
         return self.micro_step > 0 and self.micro_step % self.grad_accum == 0
 
     def _set_gradient_sync(self) -> None:
-        # ZeRO-3 reduce-scatters every micro-step (grads stay sharded); ZeRO 0/1/2 accumulate
-        # unsharded grads locally and communicate once per optimizer step.
+        # When grads are reduced is the sharding plan's call (see ShardingPlan).
         last = (self.micro_step + 1) % self.grad_accum == 0
         if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(self._sync_each_micro_step or last)
+            self.model.set_requires_gradient_sync(self.plan.sync_grads_every_micro_step or last)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""

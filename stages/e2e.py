@@ -4,20 +4,23 @@
     rlhf e2e --output runs/e2e --reward-fn sort          # PPO on the task's checker (verifiable reward)
     rlhf e2e --config e2e.yaml --ppo.kl-coef 0.1 --sft.lr 1e-3
     rlhf e2e --model Qwen/Qwen2-0.5B --data Anthropic/hh-rlhf --nproc-per-node 8
+    rlhf e2e --preset smollm2                 # SmolLM2-135M-Instruct (`rlhf models get`) + arithmetic_words
 
-Run folder: base/ (the built tiny model), data/ (the task's jsonl files), sft/, reward/, ppo/
-(each with the stage output contract) and summary.json. Re-running skips stages that have DONE
-and resumes an interrupted stage from its latest checkpoint. All stages share one W&B group.
+Run folder: base/ (the built tiny model, or the preset's converted one), data/ (the task's jsonl
+files), sft/, reward/, ppo/ (each with the stage output contract) and summary.json. Re-running
+skips stages that have DONE and resumes an interrupted stage from its latest checkpoint. All
+stages share one W&B group.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import E2EConfig, PPOConfig, RewardConfig, SFTConfig, apply_mapping, leaf_fields, set_field
+from rlhf.config import ConfigSources, E2EConfig, PPOConfig, RewardConfig, SFTConfig, resolve_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
@@ -28,8 +31,33 @@ log = get_logger(__name__)
 STAGES: dict[str, type] = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
 
 
+# preset -> the `rlhf models get` name of its base model.
+PRESET_MODELS: dict[str, str] = {"smollm2": "smollm2-135m-instruct"}
+
+
+def preset_e2e_config(preset: str | None) -> E2EConfig:
+    """The e2e defaults of `preset` (the plain defaults for None): what flags and the file then override.
+
+    smollm2: arithmetic_words has ~790 distinct prompts, shared out without overlap between the
+    splits; the answers are one or two number tokens, so 8 new tokens suffice.
+    """
+    if preset is None:
+        return E2EConfig()
+    return E2EConfig(preset=preset, output="runs/e2e-smollm2", task="arithmetic_words", n_sft=64, n_pairs=128,
+                     n_prompts=80, n_eval_pairs=64, n_eval_prompts=128, eval_max_new_tokens=8)
+
+
+def resolve_e2e_config(sources: ConfigSources) -> E2EConfig:
+    """The e2e options: preset defaults < --config file < flags. The preset is itself read from the
+    file or the flags first, since it decides the defaults the others override."""
+    probe = resolve_config(E2EConfig(), sources, where="rlhf e2e")
+    if probe.preset is None:
+        return probe
+    return resolve_config(preset_e2e_config(probe.preset), sources, where="rlhf e2e")
+
+
 def default_stage_configs(cfg: E2EConfig) -> dict[str, Any]:
-    """Stage settings tuned so the built-in default learns in minutes on a 2-core CPU."""
+    """Each stage's e2e defaults: the preset's, or the built-in tiny default's."""
     sft, reward, ppo = SFTConfig(), RewardConfig(), PPOConfig()
     for stage in (sft, reward, ppo):
         stage.engine.seed = cfg.seed
@@ -37,6 +65,15 @@ def default_stage_configs(cfg: E2EConfig) -> dict[str, Any]:
         stage.tracking.report_to = cfg.report_to
         stage.tracking.wandb_project = cfg.wandb_project
         stage.data.max_seq_len = 64
+    if cfg.preset == "smollm2":
+        smollm2_stage_settings(sft, reward, ppo)
+    else:
+        tiny_stage_settings(sft, reward, ppo)
+    return {"sft": sft, "reward": reward, "ppo": ppo}
+
+
+def tiny_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig) -> None:
+    """Tuned so the built-in default (tiny model, `sort` task) learns in minutes on a 2-core CPU."""
     # Measured on the `sort` task (see rlhf/data/tasks/sort.py): ~1000 SFT steps give T=1 success
     # ~0.6; the reward model needs ~1000 steps of fresh pairs to also catch letters that are not in
     # the prompt (else PPO learns to exploit it); PPO then gains with a real KL penalty (0.1).
@@ -48,23 +85,47 @@ def default_stage_configs(cfg: E2EConfig) -> dict[str, Any]:
     ppo.engine.lr, ppo.critic_lr, ppo.engine.micro_batch_size = 1e-4, 5e-4, 64
     ppo.engine.lr_scheduler, ppo.kl_coef, ppo.ppo_epochs = "constant", 0.1, 2
     ppo.engine.train_batch_size = None
-    return {"sft": sft, "reward": reward, "ppo": ppo}
 
 
-def apply_stage_overrides(stages: dict[str, Any], file_sections: dict[str, Any], flags: dict[str, dict[str, str]],
-                          source: str) -> None:
-    """Config-file sections first, then prefixed flags (`--ppo.kl-coef 0.1`)."""
-    for name, mapping in file_sections.items():
-        if not isinstance(mapping, dict):
+def smollm2_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig) -> None:
+    """SmolLM2-135M-Instruct on arithmetic_words, sized for ~30 minutes on 2 CPU cores (float32).
+
+    The SFT demonstrations hold a wrong_fraction share of the mistakes small models make, which
+    leaves PPO something to correct; SmolLM2's chat template adds a system turn, so prompts are
+    ~40 tokens and 64 tokens hold prompt + answer.
+    """
+    sft.epochs = 1
+    sft.engine.lr, sft.engine.micro_batch_size, sft.engine.warmup_steps = 2e-5, 4, 2
+    reward.epochs = 1
+    reward.engine.lr, reward.engine.micro_batch_size, reward.engine.warmup_steps = 3e-5, 8, 2
+    ppo.max_steps, ppo.generation_batch_size, ppo.max_new_tokens, ppo.max_prompt_len = 5, 16, 8, 56
+    ppo.engine.lr, ppo.critic_lr, ppo.engine.micro_batch_size = 1e-5, 2e-5, 8
+    ppo.engine.lr_scheduler, ppo.kl_coef, ppo.ppo_epochs = "constant", 0.05, 1
+    ppo.engine.train_batch_size = None
+
+
+def split_stage_sections(mapping: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """An e2e config file -> (its top-level e2e keys, its `sft:` / `reward:` / `ppo:` sections)."""
+    top = {key: value for key, value in mapping.items() if key not in STAGES}
+    sections = {key: value for key, value in mapping.items() if key in STAGES}
+    for name, section in sections.items():
+        if not isinstance(section, dict):
             raise UserError(f"{source}: section '{name}' must be a mapping of that stage's fields")
-        apply_mapping(stages[name], mapping, f"{source} [{name}]")
-    for name, values in flags.items():
-        by_name = {fi.name: fi for fi in leaf_fields(STAGES[name])}
-        for key, value in values.items():
-            info = by_name.get(key.replace("-", "_"))
-            if info is None:
-                raise UserError(f"--{name}.{key}: `rlhf {name}` has no such option; see `rlhf {name} --help`")
-            set_field(stages[name], info, value, f"--{name}.{key}")
+    return top, sections
+
+
+def resolve_stage_configs(stages: dict[str, Any], deepspeed_config: str | None, file_sections: dict[str, Any],
+                          flags: dict[str, dict[str, str]], source: str) -> None:
+    """Each stage: e2e defaults < ds_config < the file's section < prefixed flags (`--ppo.kl-coef 0.1`)."""
+    deepspeed = None
+    if deepspeed_config:
+        from rlhf.ds_config import import_ds_config
+
+        deepspeed = import_ds_config(deepspeed_config)
+    for name, stage in stages.items():
+        sources = ConfigSources(deepspeed=deepspeed, file=file_sections.get(name) or {}, file_name=f"{source} [{name}]",
+                                flags=flags.get(name, {}), flag_prefix=f"--{name}.")
+        resolve_config(stage, sources, where=f"rlhf e2e [{name}]")
 
 
 def parse_prefixed_flags(args: list[str]) -> dict[str, dict[str, str]]:
@@ -108,51 +169,30 @@ def run_stage(name: str, config: Any, module: Any, ctx: DistributedContext) -> f
     return seconds
 
 
-def prepare_base_and_data(cfg: E2EConfig, run_dir: Path, ctx: DistributedContext) -> tuple[str, dict[str, Path] | None]:
-    """The base model folder and, for the built-in task, its dataset files (made once, on rank 0)."""
-    base = cfg.model
-    paths: dict[str, Path] | None = None
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if base is None and not (run_dir / "base" / "config.json").is_file():
-            from rlhf.models.tiny import save_tiny_model
-
-            heads = 4 if cfg.tiny_hidden_size <= 256 else cfg.tiny_hidden_size // 64
-            save_tiny_model(run_dir / "base", cfg.tiny_family, seed=cfg.seed, hidden_size=cfg.tiny_hidden_size,
-                            num_layers=cfg.tiny_layers, num_heads=heads, num_kv_heads=max(1, heads // 2),
-                            max_positions=256)
-        if not cfg.data and not (run_dir / "data" / "DONE").is_file():
-            from rlhf.data.tasks import get_task, write_task_dataset
-
-            write_task_dataset(get_task(cfg.task), run_dir / "data", n_sft=cfg.n_sft, n_pairs=cfg.n_pairs,
-                               n_prompts=cfg.n_prompts, n_eval_prompts=cfg.n_eval_prompts,
-                               n_eval_pairs=cfg.n_eval_pairs, wrong_fraction=cfg.wrong_fraction, seed=cfg.seed)
-            (run_dir / "data" / "DONE").write_text("ok\n")
-    ctx.barrier()
-    if not cfg.data:
-        paths = {p.stem: p for p in (run_dir / "data").glob("*.jsonl")}
-    return base or str(run_dir / "base"), paths
+def base_model(cfg: E2EConfig, run_dir: Path) -> str:
+    """The base model: --model (a folder or hub name), else <run>/base (the preset's or the tiny model)."""
+    return cfg.model or str(run_dir / "base")
 
 
-def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str, str]], source: str = "--config",
-        deepspeed_config: str | None = None) -> dict[str, Any]:
-    ctx = DistributedContext.initialize()
-    run_dir = Path(cfg.output)
-    started = time.perf_counter()
-    base, paths = prepare_base_and_data(cfg, run_dir, ctx)
+def task_files(cfg: E2EConfig, run_dir: Path) -> dict[str, Path] | None:
+    """The built-in task's dataset files by name (sft, pairs, eval_pairs, prompts, eval_prompts);
+    None when --data replaces the task."""
+    from rlhf.data.tasks import DATASET_FILES
+
+    return None if cfg.data else {Path(name).stem: run_dir / "data" / name for name in DATASET_FILES}
+
+
+def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
+    """Each stage's e2e defaults, wired to the run folder: which model and data feed which stage."""
     stages = default_stage_configs(cfg)
-    group_file = run_dir / "wandb_group.txt"
-    if ctx.is_main and not group_file.is_file():
-        group_file.write_text(f"e2e-{run_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}\n")
-    ctx.barrier()
-    group = group_file.read_text().strip()
     sft, reward, ppo = stages["sft"], stages["reward"], stages["ppo"]
-    sft.model, sft.output = base, str(run_dir / "sft")
+    sft.model, sft.output = base_model(cfg, run_dir), str(run_dir / "sft")
     reward.model, reward.output = str(run_dir / "sft" / "model"), str(run_dir / "reward")
     ppo.actor, ppo.output = str(run_dir / "sft" / "model"), str(run_dir / "ppo")
     ppo.reward = str(run_dir / "reward" / "model")
     if cfg.reward_fn:
         ppo.reward_fn, ppo.reward, ppo.critic = cfg.reward_fn, "", str(run_dir / "sft" / "model")
+    paths = task_files(cfg, run_dir)
     if paths is not None:
         sft.data.data = [str(paths["sft"])]
         reward.data.data, reward.data.eval_data = [str(paths["pairs"])], [str(paths["eval_pairs"])]
@@ -161,18 +201,74 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
         for stage in stages.values():
             stage.data.data, stage.data.data_split = list(cfg.data), cfg.data_split
         reward.data.eval_split = 0.05
-    for stage in stages.values():
-        stage.tracking.wandb_group = group
-    if deepspeed_config:
-        from rlhf.ds_config import import_ds_config
+    return stages
 
-        imported = import_ds_config(deepspeed_config)
-        for stage in stages.values():
-            for key, value in imported.values.items():
-                setattr(stage.engine, key, value)
-        if "inference_tp_size" in imported.extra:
-            ppo.inference_tp_size = imported.extra["inference_tp_size"]
-    apply_stage_overrides(stages, file_sections, flags, source)
+
+def wandb_group(run_dir: Path, ctx: DistributedContext) -> str:
+    """One W&B group per e2e run folder, kept across re-runs (written once, on rank 0)."""
+    group_file = run_dir / "wandb_group.txt"
+    if ctx.is_main and not group_file.is_file():
+        group_file.write_text(f"e2e-{run_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}\n")
+    ctx.barrier()
+    return group_file.read_text().strip()
+
+
+def check_model_folder(cfg: E2EConfig) -> None:
+    """--model as a local folder must hold a model, checked before any stage starts; a name that is
+    not a folder is left to the hub."""
+    if cfg.model and Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
+        raise UserError(f"--model {cfg.model}: folder has no config.json; give a Hugging Face model folder")
+
+
+def make_base_model(cfg: E2EConfig, base: Path) -> None:
+    """<run>/base: the preset's real model (`rlhf models get`) or the built-in tiny model."""
+    if cfg.preset is not None:
+        from rlhf.models.gguf import format_report, get_model
+
+        if base.is_dir() and any(base.iterdir()):  # an interrupted conversion: start it again
+            shutil.rmtree(base)
+        log.info("e2e: %s base model -> %s", PRESET_MODELS[cfg.preset], base)
+        log.info("%s", format_report(get_model(PRESET_MODELS[cfg.preset], str(base))))
+        return
+    from rlhf.models.tiny import save_tiny_model
+
+    heads = 4 if cfg.tiny_hidden_size <= 256 else cfg.tiny_hidden_size // 64
+    save_tiny_model(base, cfg.tiny_family, seed=cfg.seed, hidden_size=cfg.tiny_hidden_size,
+                    num_layers=cfg.tiny_layers, num_heads=heads, num_kv_heads=max(1, heads // 2), max_positions=256)
+
+
+def prepare_base_and_data(cfg: E2EConfig, run_dir: Path, ctx: DistributedContext) -> None:
+    """The base model (preset or tiny; none with --model) and, for the built-in task, its dataset
+    files (made once, on rank 0)."""
+    check_model_folder(cfg)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.model is None and not (run_dir / "base" / "config.json").is_file():
+            make_base_model(cfg, run_dir / "base")
+        if not cfg.data and not (run_dir / "data" / "DONE").is_file():
+            from rlhf.data.tasks import get_task, write_task_dataset
+
+            write_task_dataset(get_task(cfg.task), run_dir / "data", n_sft=cfg.n_sft, n_pairs=cfg.n_pairs,
+                               n_prompts=cfg.n_prompts, n_eval_prompts=cfg.n_eval_prompts,
+                               n_eval_pairs=cfg.n_eval_pairs, wrong_fraction=cfg.wrong_fraction, seed=cfg.seed)
+            (run_dir / "data" / "DONE").write_text("ok\n")
+    ctx.barrier()
+
+
+def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str, str]], source: str = "--config",
+        deepspeed_config: str | None = None) -> dict[str, Any]:
+    run_dir = Path(cfg.output)
+    started = time.perf_counter()
+    stages = stage_configs(cfg, run_dir)
+    # Resolved before any work is done, so that a bad stage setting fails at once.
+    resolve_stage_configs(stages, deepspeed_config, file_sections, flags, source)
+    sft, reward, ppo = stages["sft"], stages["reward"], stages["ppo"]
+    ctx = DistributedContext.initialize()
+    prepare_base_and_data(cfg, run_dir, ctx)
+    group = wandb_group(run_dir, ctx)
+    for stage in stages.values():
+        stage.tracking.wandb_group = stage.tracking.wandb_group or group
+    paths = task_files(cfg, run_dir)
 
     from rlhf.stages import ppo as ppo_stage
     from rlhf.stages import reward as reward_stage
@@ -214,4 +310,4 @@ def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: Dist
     return result
 
 
-__all__ = ["run", "parse_prefixed_flags", "STAGES"]
+__all__ = ["run", "parse_prefixed_flags", "resolve_e2e_config", "STAGES"]

@@ -13,6 +13,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.seeding import derive_seed
 
 
 @torch.no_grad()
@@ -24,9 +25,11 @@ def task_success(
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir).to(ctx.device).eval()
     mine = prompts[ctx.rank :: ctx.world_size]
-    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=max(temperature, 1e-6),
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    generator = torch.Generator(device=ctx.device).manual_seed(seed + ctx.rank)
+    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                            temperature=max(temperature, 1e-6), eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    # The same stream for every model evaluated with this seed: SFT and PPO are compared on equal draws.
+    generator = torch.Generator(device=ctx.device).manual_seed(derive_seed(seed, "task_success", ctx.rank))
     total = 0.0
     for start in range(0, len(mine), batch_size):
         texts = mine[start : start + batch_size]

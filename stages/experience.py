@@ -7,13 +7,11 @@ token t+1 was chosen); the response mask is the generation's action mask shifted
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf.algorithms.ppo import compute_token_rewards, gae_advantages, masked_mean
-from rlhf.engine.distributed import DistributedContext
+from rlhf.algorithms.ppo import KLKind, SumReducer, compute_token_rewards, gae_advantages, masked_whiten
 
 
 @dataclass
@@ -39,23 +37,13 @@ class Experience:
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
-def global_whiten(x: torch.Tensor, mask: torch.Tensor, ctx: DistributedContext, eps: float = 1e-8) -> torch.Tensor:
-    """Whiten `x` over the masked entries of ALL ranks (so N ranks equal one rank on the same batch)."""
-    m = mask.float()
-    stats = ctx.all_reduce_sum(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]).double())
-    count = stats[2].clamp(min=1.0)
-    mean = stats[0] / count
-    var = (stats[1] / count - mean * mean) * count / (count - 1).clamp(min=1.0)
-    out = (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)
-    return out * m
-
-
 def shaped_scores(
-    raw: torch.Tensor, ended_with_eos: torch.Tensor, mean: float, std: float, normalize: bool,
+    raw: torch.Tensor, ended_with_eos: torch.Tensor, normalization: tuple[float, float] | None,
     missing_eos_penalty: float,
 ) -> torch.Tensor:
-    """Score used in the reward: optionally normalised, minus a penalty when EOS never came."""
-    score = (raw - mean) / max(std, 1e-6) if normalize else raw
+    """Score used in the reward: normalised with (mean, std) when given, minus a penalty when EOS
+    never came."""
+    score = raw if normalization is None else (raw - normalization[0]) / max(normalization[1], 1e-6)
     return score - missing_eos_penalty * (~ended_with_eos).float()
 
 
@@ -67,28 +55,28 @@ def build_experience(
     ref_logprobs: torch.Tensor,
     values_full: torch.Tensor,
     raw_scores: torch.Tensor,
-    score_fn: Callable[[torch.Tensor], torch.Tensor],
+    scores: torch.Tensor,
     kl_coef: float,
-    kl_kind: str,
+    kl_kind: KLKind,
     reward_clip: float | None,
     gamma: float,
     lam: float,
-    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    whiten_advantages: bool,
+    all_reduce: SumReducer | None = None,
 ) -> Experience:
-    """Rewards (KL penalty + score on the last response token), GAE advantages and returns."""
+    """Rewards (KL penalty + `scores` on the last response token), GAE advantages and returns.
+
+    `raw_scores` are kept for the metrics, `scores` (normalised, penalised: `shaped_scores`) go
+    into the reward. Advantages are whitened over the masked tokens of every rank (`all_reduce`).
+    """
     mask = action_mask_full[:, 1:].bool()
     values = values_full[:, :-1].float() * mask
-    score = score_fn(raw_scores)
-    rewards, kl = compute_token_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, kl_kind, reward_clip)
+    rewards, kl = compute_token_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, kl_kind, reward_clip)
     advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
-    if whiten is not None:
-        advantages = whiten(advantages, mask)
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, mask, all_reduce=all_reduce)
     return Experience(sequences, attention_mask, mask, old_logprobs, ref_logprobs, values, rewards,
                       advantages, returns, raw_scores, kl)
-
-
-def response_lengths(exp: Experience) -> torch.Tensor:
-    return exp.action_mask.sum(-1).float()
 
 
 def mean_kl_per_sequence(exp: Experience) -> torch.Tensor:
@@ -96,5 +84,4 @@ def mean_kl_per_sequence(exp: Experience) -> torch.Tensor:
     return (exp.kl * exp.action_mask).sum(-1).mean()
 
 
-__all__ = ["Experience", "build_experience", "global_whiten", "masked_mean", "mean_kl_per_sequence",
-           "response_lengths", "shaped_scores"]
+__all__ = ["Experience", "build_experience", "mean_kl_per_sequence", "shaped_scores"]

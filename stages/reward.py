@@ -21,30 +21,29 @@ training: PPO normalises rewards with them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from rlhf.engine.checkpoint import Checkpointer
+from rlhf.algorithms.losses import pairwise_reward_loss
+from rlhf.config import RewardConfig
+from rlhf.data.batching import collate_pairs
+from rlhf.data.stage_rows import load_stage_rows
+from rlhf.data.formats import ParsedRow
+from rlhf.data.tokenization import TokenizeStats, tokenize_pairs
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.export import export_model
-from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.train_engine import TrainEngine
-from rlhf.algorithms.losses import pairwise_reward_loss
-from rlhf.config import RewardConfig, to_dict
-from rlhf.data.batching import collate_pairs
-from rlhf.data.formats import parse_row
-from rlhf.data.sources import eval_holdout, load_rows, stage_share
-from rlhf.data.tokenization import tokenize_pairs
-from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import value_model_from
-from rlhf.outputs import write_config
+from rlhf.stages.trainer import (
+    engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, start_stage,
+)
 from rlhf.tracking import Tracker
-from rlhf.stages.trainer import evaluate, finish_stage, plan_total_steps, run_training, start_stage
 
 log = get_logger(__name__)
 
@@ -88,70 +87,29 @@ def score_statistics(metrics: dict[str, float]) -> dict[str, float]:
 
 def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
     """Tokenized (train, eval) pairs of this stage's share of every --data source, and the counts."""
-    if not config.data.data:
-        raise UserError("--data is required: one or more json/jsonl/parquet/csv files, saved folders or hub names")
-    raw = [row for spec in config.data.data for row in load_rows(spec)]
-    raw = stage_share(raw, config.data.data_split, "reward", config.engine.seed)
-    parsed = [parse_row(r) for r in raw]
-    rows, stats = tokenize_pairs(parsed, tokenizer, config.data.max_seq_len)
-    stats.log("reward data")
-    counts = stats.as_dict()
-    counts.setdefault(EQUAL_PAIRS_KEY, 0)
-    if not rows:
-        raise UserError(
-            f"--data {' '.join(config.data.data)}: no usable preference pairs (see the counts above); rows need "
-            "prompt/chosen/rejected, chosen/rejected dialogs or chat messages, with chosen != rejected"
-        )
-    if config.data.eval_data:
-        eval_parsed = [parse_row(r) for spec in config.data.eval_data for r in load_rows(spec)]
-        held_out, eval_stats = tokenize_pairs(eval_parsed, tokenizer, config.data.max_seq_len)
-        eval_stats.log("reward eval data")
-        return rows, held_out, counts
-    train, held_out = eval_holdout(rows, config.data.eval_split, config.engine.seed)
-    return train, held_out, counts
+    def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
+        return tokenize_pairs(parsed, tokenizer, config.data.max_seq_len)
 
-
-def run(config: RewardConfig) -> dict[str, Any]:
-    """Train, evaluate and export a reward model (collective: every rank calls it); returns the summary."""
-    ctx = DistributedContext.initialize()
-    output = start_stage(config, ctx, "reward")
-
-    tokenizer = load_tokenizer(config.model)
-    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
-    plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size)
-    log.info("reward: %d train pairs, %d eval pairs, %d optimizer steps of %d pairs",
-             len(train_rows), len(eval_rows), total_steps, plan.global_batch_size)
-
-    model = value_model_from(config.model, config.value_head_init_std)
-    # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
-    # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
-    # random steps (a drifting score offset). It is kept fixed, as DeepSpeed-Chat's bias-free head.
-    model.value_head.bias.requires_grad_(False)
-    engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward")
-    if ctx.is_main:
-        write_config(output, config)
-    tracker = Tracker(output, "reward", config.tracking, to_dict(config), ctx.is_main)
-    checkpointer = Checkpointer(output / "checkpoints", ctx, config.keep_checkpoints)
-
-    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-        return collate_pairs(rows, tokenizer.pad_token_id)
-
-    loss_fn = partial(reward_loss, device=ctx.device)
-
-    def eval_fn() -> dict[str, float]:
-        return evaluate(engine, eval_rows, collate, loss_fn)
-
-    result = run_training(
-        "reward", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
-        loss_fn, eval_fn if eval_rows else None,
+    rows = load_stage_rows(
+        config.data, "reward", config.engine.seed, tokenize,
+        empty="no usable preference pairs (see the counts above); rows need prompt/chosen/rejected, "
+              "chosen/rejected dialogs or chat messages, with chosen != rejected",
     )
+    rows.stats.setdefault(EQUAL_PAIRS_KEY, 0)
+    return rows.train, rows.eval, rows.stats
 
-    # One pass over the training pairs after training: the score statistics PPO normalises
-    # rewards with, and the evaluation metrics too when no pairs were held out.
-    train_pass = evaluate(engine, train_rows, collate, partial(reward_loss, device=ctx.device, moments=True))
+
+def final_evaluation(
+    engine: TrainEngine, train_rows: list[dict], held_out: dict[str, float] | None,
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]], tracker: Tracker,
+) -> dict[str, Any]:
+    """One pass over the training pairs after training: the score statistics PPO normalises
+    rewards with, and the evaluation metrics too when no pairs were held out (`held_out` None)."""
+    train_pass = evaluate(engine, train_rows, collate, partial(reward_loss, device=engine.ctx.device, moments=True),
+                          progress="reward: score statistics")
     stats = score_statistics(train_pass)
-    eval_on_train = not eval_rows
-    final = train_pass if eval_on_train else result.eval_metrics
+    eval_on_train = held_out is None
+    final = train_pass if held_out is None else held_out
     if eval_on_train:
         log.info("reward: no --eval-split, so the eval metrics are measured on the training pairs")
     evaluation = {
@@ -168,7 +126,40 @@ def run(config: RewardConfig) -> dict[str, Any]:
     log.info("reward: eval accuracy %.4f, chosen %.4f, rejected %.4f; training scores mean %.4f std %.4f",
              evaluation["eval_accuracy"], evaluation["chosen_mean"], evaluation["rejected_mean"],
              stats["score_mean"], stats["score_std"])
+    return evaluation
 
+
+def run(config: RewardConfig) -> dict[str, Any]:
+    """Train, evaluate and export a reward model (collective: every rank calls it); returns the summary."""
+    ctx = DistributedContext.initialize()
+    output = start_stage(config, ctx, "reward")
+
+    tokenizer = load_tokenizer(config.model)
+    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
+    plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
+
+    model = value_model_from(config.model, config.value_head_init_std)
+    # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
+    # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
+    # random steps (a drifting score offset). It is kept fixed, as DeepSpeed-Chat's bias-free head.
+    model.value_head.bias.requires_grad_(False)
+    engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward")
+    tracker, checkpointer = open_run(config, ctx, output, "reward")
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate_pairs(rows, tokenizer.pad_token_id)
+
+    loss_fn = partial(reward_loss, device=ctx.device)
+
+    def eval_fn() -> dict[str, float]:
+        return evaluate(engine, eval_rows, collate, loss_fn)
+
+    result = run_training(
+        "reward", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
+        loss_fn, eval_fn if eval_rows else None,
+    )
+
+    evaluation = final_evaluation(engine, train_rows, result.eval_metrics if eval_rows else None, collate, tracker)
     export_model(engine, output / "model", tokenizer)
 
     summary = {
@@ -182,10 +173,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
         **evaluation,
         "data": data_stats,
         EQUAL_PAIRS_KEY: data_stats[EQUAL_PAIRS_KEY],
-        "skipped_steps": engine.skipped_steps,
-        "world_size": ctx.world_size,
-        "parameters": sum(p.numel() for p in engine.model.parameters()),
-        "local_parameters_rank0": local_parameter_count(engine.model),
+        **engine_summary(engine),
     }
     finish_stage(ctx, output, tracker, summary)
     return summary

@@ -1,4 +1,5 @@
-"""The supervised training loop shared by `rlhf sft` and `rlhf reward`.
+"""The supervised training loop shared by `rlhf sft` and `rlhf reward`, and the plumbing every stage
+(PPO included) shares: `start_stage`, `open_run`, `resume_from_latest`, `finish_stage`.
 
 A stage supplies its tokenized rows, a collate function (whose batches carry `num_units`, the
 tokens or pairs the loss averages over) and a loss function that returns the
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,13 @@ from tqdm import tqdm
 
 from rlhf.engine.checkpoint import Checkpointer
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
-from rlhf.config import RunConfig, StageConfig
+from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.outputs import mark_done, prepare_output, write_summary
+from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
 from rlhf.tracking import Tracker
 
 log = get_logger(__name__)
@@ -57,6 +59,24 @@ def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
     return output
 
 
+def open_run(config: RunConfig, ctx: DistributedContext, output: Path, stage: str) -> tuple[Tracker, Checkpointer]:
+    """The resolved config written beside the outputs (rank 0), the stage's tracker and checkpointer."""
+    if ctx.is_main:
+        write_config(output, config)
+    tracker = Tracker(output, stage, config.tracking, to_dict(config), ctx.is_main)
+    return tracker, Checkpointer(output / "checkpoints", ctx, config.keep_checkpoints)
+
+
+def engine_summary(engine: TrainEngine) -> dict[str, Any]:
+    """The summary.json fields every trained model reports: world size, sizes, skipped steps."""
+    return {
+        "skipped_steps": engine.skipped_steps,
+        "world_size": engine.ctx.world_size,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "local_parameters_rank0": local_parameter_count(engine.model),
+    }
+
+
 def finish_stage(ctx: DistributedContext, output: Path, tracker: Tracker, summary: dict[str, Any]) -> None:
     """summary.json, tracker summary, then DONE (last, atomically); every rank waits for it."""
     if ctx.is_main:
@@ -67,8 +87,9 @@ def finish_stage(ctx: DistributedContext, output: Path, tracker: Tracker, summar
     ctx.barrier()
 
 
-def plan_total_steps(num_rows: int, config: StageConfig, world_size: int) -> tuple[BatchPlan, int]:
-    """The batch plan and the number of optimizer steps this run will take."""
+def plan_total_steps(num_rows: int, config: StageConfig, world_size: int, num_eval: int = 0,
+                     unit: str = "rows") -> tuple[BatchPlan, int]:
+    """The batch plan and the number of optimizer steps this run will take (logged)."""
     e = config.engine
     plan = BatchPlan(num_rows, e.micro_batch_size, e.grad_accum or 1, world_size, 0, e.seed)
     if plan.steps_per_epoch == 0:
@@ -78,6 +99,8 @@ def plan_total_steps(num_rows: int, config: StageConfig, world_size: int) -> tup
         )
     # As in the Hugging Face Trainer, max_steps > 0 overrides epochs (and may span several epochs).
     total = config.max_steps if config.max_steps > 0 else plan.steps_per_epoch * config.epochs
+    log.info("%d train %s, %d eval %s, %d optimizer steps of %d %s", num_rows, unit, num_eval, unit, total,
+             plan.global_batch_size, unit)
     return plan, total
 
 
@@ -93,13 +116,20 @@ def evaluation_batches(num_rows: int, micro_batch_size: int, ctx: DistributedCon
 
 @torch.no_grad()
 def evaluate(
-    engine: TrainEngine, rows: list[Any], collate: Callable[[list[Any]], Batch], loss_fn: LossFn
+    engine: TrainEngine, rows: list[Any], collate: Callable[[list[Any]], Batch], loss_fn: LossFn,
+    progress: str | None = None,
 ) -> dict[str, float]:
-    """Unit-weighted mean loss and metric means over `rows`, reduced across ranks."""
+    """Unit-weighted mean loss and metric means over `rows`, reduced across ranks. With `progress`
+    (the bar's label), a tqdm bar on rank 0 like the training bar: a full pass over a real model's
+    training rows takes tens of seconds that would otherwise look like a hang."""
     engine.eval()
     sums: dict[str, float] = {"loss": 0.0}
     units = 0.0
-    for indices, weight in evaluation_batches(len(rows), engine.config.micro_batch_size, engine.ctx):
+    batches = evaluation_batches(len(rows), engine.config.micro_batch_size, engine.ctx)
+    if progress is not None:
+        rounds = math.ceil(math.ceil(len(rows) / engine.config.micro_batch_size) / engine.ctx.world_size)
+        batches = tqdm(batches, total=rounds, desc=progress, disable=not engine.ctx.is_main, dynamic_ncols=True)
+    for indices, weight in batches:
         batch = {k: v for k, v in collate([rows[i] for i in indices]).items() if k != "num_units"}
         loss_sum, n, extra = loss_fn(engine.model, batch)
         sums["loss"] += weight * float(loss_sum)
@@ -111,6 +141,79 @@ def evaluate(
     totals = engine.ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [units], dtype=torch.float64))
     total_units = float(totals[-1])
     return {k: float(v) / max(total_units, 1.0) for k, v in zip(keys, totals[:-1])}
+
+
+def resume_from_latest(
+    config: RunConfig, ctx: DistributedContext, checkpointer: Checkpointer, engines: dict[str, TrainEngine],
+    tracker: Tracker,
+) -> dict[str, Any] | None:
+    """With --resume, restore the newest checkpoint (engines, optimizers, RNG) and return its loop
+    state; None when starting fresh. Metrics rows logged after the checkpoint's step are removed,
+    since those steps run again (nothing is logged twice)."""
+    latest = checkpointer.latest() if config.resume else None
+    if latest is None:
+        if config.resume:
+            log.info("--resume: no checkpoint in %s, starting from scratch", checkpointer.root)
+        return None
+    loop_state = checkpointer.load(latest, engines)
+    # Checkpoints from before "step" was saved: the folder is named after the step (step_00000012).
+    step = int(loop_state.get("step", latest.name.rsplit("_", 1)[-1]))
+    replayed = tracker.metrics.truncate_after(step) if ctx.is_main else 0
+    if replayed:
+        log.info("resume: %d metrics rows after step %d removed; those steps run again", replayed, step)
+    return loop_state
+
+
+def train_step(
+    engine: TrainEngine, ctx: DistributedContext, micro_batches: list[list[Any]], collate: Callable[[list[Any]], Batch],
+    loss_fn: LossFn, grad_accum: int, epoch: int,
+) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches (rows); the step's metrics, reduced over ranks."""
+    t0 = time.perf_counter()
+    batches = [collate(rows) for rows in micro_batches]
+    scale = grad_accum * ctx.world_size
+    sums: dict[str, float] = {"loss": 0.0}
+    # Normalise by the units (tokens or pairs) of the whole global batch, known up front.
+    global_units = float(ctx.all_reduce_sum(sum(float(b["num_units"]) for b in batches)))
+    units_seen = 0.0
+    tokens = 0
+    for b in batches:
+        b = {k: v for k, v in b.items() if k != "num_units"}
+        loss_sum, n, extra = loss_fn(engine.model, b)
+        engine.backward(loss_sum * scale / max(global_units, 1.0))
+        sums["loss"] += float(loss_sum.detach())
+        units_seen += n
+        tokens += int(b["attention_mask"].sum())
+        for k, v in extra.items():
+            sums[k] = sums.get(k, 0.0) + v
+    step = engine.step()
+    keys = sorted(sums)
+    totals = ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [units_seen, tokens], dtype=torch.float64))
+    n_units = max(float(totals[-2]), 1.0)
+    elapsed = time.perf_counter() - t0
+    metrics = {k: float(v) / n_units for k, v in zip(keys, totals[:-2])}
+    metrics.update(lr=step.lr, grad_norm=step.grad_norm, epoch=epoch, tokens_per_s=float(totals[-1]) / elapsed,
+                   step_seconds=elapsed)
+    if step.loss_scale is not None:
+        metrics["loss_scale"] = step.loss_scale
+    if not step.stepped:
+        metrics["skipped_steps"] = engine.skipped_steps
+    return metrics
+
+
+def wants_checkpoint(config: RunConfig, step: int, last: bool) -> bool:
+    """A resume checkpoint after `step`: every --save-interval steps, and after the last step only
+    with --save-final-checkpoint (a finished stage is marked DONE and never resumed from it)."""
+    if last and config.save_final_checkpoint:
+        return True
+    return config.save_interval > 0 and step % config.save_interval == 0
+
+
+def next_position(plan: BatchPlan, epoch: int, step_in_epoch: int) -> dict[str, int]:
+    """Where training continues after `step_in_epoch` of `epoch` (saved in the loop state)."""
+    if step_in_epoch + 1 >= plan.steps_per_epoch:
+        return {"epoch": epoch + 1, "next_step_in_epoch": 0}
+    return {"epoch": epoch, "next_step_in_epoch": step_in_epoch + 1}
 
 
 def run_training(
@@ -128,18 +231,9 @@ def run_training(
     eval_fn: Callable[[], dict[str, float]] | None,
 ) -> LoopResult:
     """Train `engine` on `rows` for `total_steps` optimizer steps, with eval, checkpoints, resume."""
-    plan = BatchPlan(plan.num_rows, plan.micro_batch_size, plan.grad_accum, ctx.world_size, ctx.rank, plan.seed)
-    scale = plan.grad_accum * ctx.world_size
-    start_epoch, start_step = 0, 0
-    latest = checkpointer.latest() if config.resume else None
-    if latest is not None:
-        loop_state = checkpointer.load(latest, {stage: engine})
-        start_epoch, start_step = loop_state["epoch"], loop_state["next_step_in_epoch"]
-        replayed = tracker.metrics.truncate_after(engine.global_step) if ctx.is_main else 0
-        if replayed:
-            log.info("resume: %d metrics rows after step %d removed; those steps run again", replayed, engine.global_step)
-    elif config.resume:
-        log.info("--resume: no checkpoint in %s, starting from scratch", checkpointer.root)
+    plan = replace(plan, world_size=ctx.world_size, rank=ctx.rank)
+    loop_state = resume_from_latest(config, ctx, checkpointer, {stage: engine}, tracker)
+    start_epoch, start_step = (loop_state["epoch"], loop_state["next_step_in_epoch"]) if loop_state else (0, 0)
     result = LoopResult(global_step=engine.global_step)
     engine.train()
     bar = tqdm(total=total_steps, initial=engine.global_step, desc=stage, disable=not ctx.is_main, dynamic_ncols=True)
@@ -147,49 +241,19 @@ def run_training(
     epoch = start_epoch
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
-            t0 = time.perf_counter()
-            batches = [collate([rows[i] for i in mb]) for mb in micro_batches]
-            sums: dict[str, float] = {"loss": 0.0}
-            # Normalise by the units (tokens or pairs) of the whole global batch, known up front.
-            global_units = float(ctx.all_reduce_sum(sum(float(b["num_units"]) for b in batches)))
-            units_seen = 0.0
-            tokens = 0
-            for b in batches:
-                b = {k: v for k, v in b.items() if k != "num_units"}
-                loss_sum, n, extra = loss_fn(engine.model, b)
-                engine.backward(loss_sum * scale / max(global_units, 1.0))
-                sums["loss"] += float(loss_sum.detach())
-                units_seen += n
-                tokens += int(b["attention_mask"].sum())
-                for k, v in extra.items():
-                    sums[k] = sums.get(k, 0.0) + v
-            step = engine.step()
-            keys = sorted(sums)
-            totals = ctx.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [units_seen, tokens], dtype=torch.float64))
-            n_units = max(float(totals[-2]), 1.0)
-            elapsed = time.perf_counter() - t0
-            metrics = {k: float(v) / n_units for k, v in zip(keys, totals[:-2])}
-            metrics.update(lr=step.lr, grad_norm=step.grad_norm, epoch=epoch, tokens_per_s=float(totals[-1]) / elapsed,
-                           step_seconds=elapsed)
-            if step.loss_scale is not None:
-                metrics["loss_scale"] = step.loss_scale
-            if not step.stepped:
-                metrics["skipped_steps"] = engine.skipped_steps
+            step_rows = [[rows[i] for i in mb] for mb in micro_batches]
+            metrics = train_step(engine, ctx, step_rows, collate, loss_fn, plan.grad_accum, epoch)
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:
                 tracker.log(metrics, step=gs)
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{step.lr:.2e}")
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
             if eval_fn is not None and config.eval_interval > 0 and gs % config.eval_interval == 0 and gs < total_steps:
-                ev = eval_fn()
-                tracker.log({f"eval_{k}": v for k, v in ev.items()}, step=gs)
+                tracker.log({f"eval_{k}": v for k, v in eval_fn().items()}, step=gs)
             done = gs >= total_steps
-            if done or (config.save_interval > 0 and gs % config.save_interval == 0):
-                next_epoch, next_step = (epoch, step_in_epoch + 1)
-                if next_step >= plan.steps_per_epoch:
-                    next_epoch, next_step = epoch + 1, 0
-                checkpointer.save(gs, {stage: engine}, {"epoch": next_epoch, "next_step_in_epoch": next_step})
+            if wants_checkpoint(config, gs, done):
+                checkpointer.save(gs, {stage: engine}, {"step": gs, **next_position(plan, epoch, step_in_epoch)})
             if done:
                 break
         epoch += 1

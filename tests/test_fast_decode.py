@@ -15,27 +15,16 @@ from rlhf.engine.fast_decode import (
     signed_sin,
 )
 from rlhf.engine.generation import HFForwardRunner, generate, select_runner
+from rlhf.engine.kernels import DECODE_ATTENTION_OP, generation_kernels
+from rlhf.engine.ops import load_op
+from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.sampling import SamplingParams
-from rlhf.models.tiny import build_char_tokenizer, build_tiny_model, tiny_config
+from rlhf.models.tiny import build_tiny_model, tiny_config
 from tests.conftest import SyncCounter
+from tests.test_generation import PAD, batch, tok  # noqa: F401 (the same left-padded prompts and fixtures)
 
-PAD = 0
-PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    tokenizer = build_char_tokenizer()
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def batch(tok) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    assert (enc.attention_mask == 0).any()  # left padding is exercised
-    return enc.input_ids, enc.attention_mask
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _build(family: str, tok, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -57,11 +46,6 @@ def models(tok) -> dict[str, PreTrainedModel]:
 
 def _greedy(n: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, pad_token_id=PAD, do_sample=False, **kwargs)
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Count of real tokens so far, pads at 0 (what transformers.generate feeds the model)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
 def test_pure_math_against_hand_values() -> None:
@@ -98,16 +82,26 @@ def test_greedy_matches_reference_and_hf_with_eos(models, batch, tok, family: st
     assert bool(fast.finished[0]) and int(fast.response_lengths[0]) <= 4 and not fast.finished.all()
 
 
-@pytest.mark.parametrize("cpu_kernel", [False, "auto"], ids=["python-step", "fused-step"])
+STEP_KINDS = {
+    "python-step": dict(cpu_kernel=False, attention_kernel=False),
+    # Decode steps run the fused CPU op (engine/cpu_decode.py) where it builds.
+    "fused-step": dict(cpu_kernel="auto"),
+    # The Python step attending through kernels.decode_attention: on the CPU its reference, fed
+    # the decoder's own cache buffers and key mask, which is what the CUDA op reads on a GPU.
+    "decode-attention": dict(cpu_kernel=False, attention_kernel=True),
+}
+
+
+@pytest.mark.parametrize("step_kind", list(STEP_KINDS))
 @pytest.mark.parametrize("family", FAST_FAMILIES)
-def test_logits_match_the_reference_every_step(models, batch, family: str, cpu_kernel) -> None:
-    # "auto": decode steps run the fused CPU op (engine/cpu_decode.py) where it builds.
+def test_logits_match_the_reference_every_step(models, batch, family: str, step_kind: str) -> None:
     model, (ids, mask) = models[family], batch
     b, p = ids.shape
     steps = 8
-    fast = FastLlamaDecoder(model, b, p + steps, cpu_kernel=cpu_kernel)
+    fast = FastLlamaDecoder(model, b, p + steps, **STEP_KINDS[step_kind])
+    assert fast.uses_attention_kernel == (step_kind == "decode-attention")
     ref = HFForwardRunner(model, p + steps)
-    positions = _positions(mask)
+    positions = position_ids_from_mask(mask)
     with torch.no_grad():
         fast_logits = fast.prefill(ids, mask, positions)
         ref_logits = ref.prefill(ids, mask, positions)
@@ -220,6 +214,49 @@ def test_fast_path_stops_at_a_sync_point_once_every_row_finished(models, batch, 
     full = generate(model, ids, mask, _greedy(20, eos_token_id=eos, sync_every=0), fast=True)
     assert (n_early, len(calls) - n_early) == (1, 19)  # every row done after step 1, vs all 19 steps
     assert torch.equal(early.sequences, full.sequences) and early.finished.all()
+
+
+def test_decode_attention_kernel_is_not_used_on_cpu(models, batch, monkeypatch) -> None:
+    """On the CPU "auto" keeps SDPA (the CUDA op cannot run there); greedy tokens are unchanged."""
+    model, (ids, mask) = models["llama"], batch
+    runner = select_runner(model, ids.shape[0], ids.shape[1] + 6)
+    assert isinstance(runner, FastLlamaDecoder) and not runner.uses_attention_kernel
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("decode_attention called on the CPU")
+
+    monkeypatch.setattr(fast_decode, "decode_attention", no_kernel)
+    fast = generate(model, ids, mask, _greedy(6), fast=True)
+    assert torch.equal(fast.sequences, generate(model, ids, mask, _greedy(6), fast=False).sequences)
+
+
+def _peaked_cuda_model(tok, dtype: torch.dtype) -> PreTrainedModel:
+    """A tiny Llama on the GPU with a head size the CUDA op is built for (32) and peaked next-token
+    distributions, so tokens do not flip on the rounding differences between attention paths."""
+    model = build_tiny_model("llama", tok, seed=0, hidden_size=128, num_heads=4, num_kv_heads=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.to("cuda", dtype).eval()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_attention_kernel_generates_like_the_reference(tok, batch, dtype: torch.dtype) -> None:
+    assert load_op(DECODE_ATTENTION_OP.name) is not None, "rlhf_decode_attention must build on a GPU machine"
+    model = _peaked_cuda_model(tok, dtype)
+    ids, mask = (t.cuda() for t in batch)
+    runner = select_runner(model, ids.shape[0], ids.shape[1] + 16)
+    assert isinstance(runner, FastLlamaDecoder) and runner.uses_attention_kernel
+    with generation_kernels(False):
+        assert not select_runner(model, ids.shape[0], ids.shape[1] + 16).uses_attention_kernel
+    sampled = SamplingParams(max_new_tokens=16, pad_token_id=PAD, temperature=0.8, top_k=20, top_p=0.9)
+    for params in (_greedy(16), sampled):
+        kernel = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(5), fast=True)
+        with generation_kernels(False):  # SDPA attention and the torch sampler
+            ref = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(5), fast=True)
+        assert torch.equal(kernel.sequences, ref.sequences), params
+        assert torch.equal(kernel.action_mask, ref.action_mask)
 
 
 def test_weights_are_read_from_the_model_not_copied_where_no_fusion_is_needed(models, batch) -> None:

@@ -15,14 +15,17 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from rlhf.engine import kernels
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.kv_cache import RolloutKVCache
-from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
+from rlhf.engine.ops import load_op
+from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token, sampler_path
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model, tiny_config
 from tests.conftest import SyncCounter
 
 PAD = 0
 PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +160,11 @@ def test_sampling_matches_uncached_reference_loop(models, batch, family: str) ->
     assert not torch.equal(other.sequences, ours.sequences)
 
 
-def _hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    scores = logits.clone()
+def hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Hugging Face's warpers in `generate`'s order: the independent definition of process_logits."""
+    scores = logits.float()
     if temperature != 1.0:
-        scores = TemperatureLogitsWarper(temperature)(None, scores)
+        scores = TemperatureLogitsWarper(float(temperature))(None, scores)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
@@ -178,12 +182,27 @@ def _hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 def test_process_logits_matches_hf_warpers(temperature: float, top_k: int, top_p: float) -> None:
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 3
     ours = process_logits(logits, temperature, top_k, top_p)
-    hf = _hf_warp(logits, temperature, top_k, top_p)
+    hf = hf_warp(logits, temperature, top_k, top_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(hf))
     kept = ~torch.isinf(hf)
     assert kept.any(dim=-1).all()
     torch.testing.assert_close(ours[kept], hf[kept])
     torch.testing.assert_close(torch.softmax(ours, -1), torch.softmax(hf, -1))
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.3), (0, 0.6), (0, 0.9), (3, 0.5), (40, 0.7), (0, 0.05)])
+def test_process_logits_cuts_top_p_ties_like_hf_with_a_stable_sort(monkeypatch, top_k: int, top_p: float) -> None:
+    """HF's TopPLogitsWarper sorts without `stable`, so which part of a tie group it keeps at the
+    boundary is arbitrary; with a stable sort it is defined, and process_logits matches it."""
+    logits = torch.randint(0, 4, (64, 50), generator=torch.Generator().manual_seed(top_k + int(100 * top_p))).float()
+    ours = process_logits(logits, 1.0, top_k, top_p)
+    unstable_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *args, **kwargs: unstable_sort(*args, **{**kwargs, "stable": True}))
+    hf = hf_warp(logits, 1.0, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(hf))
+    # Tie groups really were cut: some token is dropped while another of the same value is kept.
+    kept_min = torch.where(torch.isinf(ours), float("inf"), logits).amin(dim=-1, keepdim=True)
+    assert ((logits == kept_min) & torch.isinf(ours)).any()
 
 
 @pytest.mark.parametrize(
@@ -220,6 +239,47 @@ def test_inverse_cdf_draw_hand_values() -> None:
     logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0]]).expand(5, 4)
     uniform = torch.tensor([0.0, 0.33, 0.34, 0.67, 0.9999999])
     assert sample_from_logits(logits, uniform=uniform).tolist() == [0, 0, 1, 3, 3]
+
+
+def test_sampling_dispatch_takes_no_cuda_kernel_on_cpu(models, batch, monkeypatch) -> None:
+    logits = torch.randn(2, 10)
+    filtered = SamplingParams(max_new_tokens=4, pad_token_id=PAD, top_k=5, top_p=0.9)
+    plain = SamplingParams(max_new_tokens=4, pad_token_id=PAD, temperature=0.7)
+    assert sampler_path(logits, filtered) == "reference"
+    assert sampler_path(logits, plain) in ("cpu_kernel", "reference")  # the csrc CPU sampler where it builds
+    assert sampler_path(logits, _greedy(4)) == "greedy"
+    with kernels.generation_kernels(False):
+        assert sampler_path(logits, plain) == "reference"
+    assert kernels.generation_kernels_enabled()  # restored after the block
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the CUDA sampling kernel was called for CPU logits")
+
+    monkeypatch.setattr(kernels, "sample_tokens", no_kernel)
+    model, (ids, mask) = models["llama"], batch
+    for params in (filtered, plain):
+        out = generate(model, ids, mask, params, generator=torch.Generator().manual_seed(0))
+        assert out.action_mask.any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=0.8, top_k=20, top_p=0.9), dict(temperature=1.0), dict(top_p=0.5), dict(top_k=1)]
+)
+def test_cuda_sampling_kernel_generates_like_the_reference(models, batch, settings: dict) -> None:
+    """On CUDA, sample_next_token runs kernels.sample_tokens: same uniforms, same tokens. The HF
+    forward (fast=False) keeps the logits identical, so only the sampler differs."""
+    assert load_op(kernels.SAMPLING_OP.name) is not None, "rlhf_sampling must build on a GPU machine"
+    model = build_tiny_model("llama", build_char_tokenizer(), seed=0).cuda().eval()
+    ids, mask = (t.cuda() for t in batch)
+    params = SamplingParams(max_new_tokens=16, pad_token_id=PAD, eos_token_id=[7, 40], **settings)
+    assert sampler_path(torch.zeros(1, 8, device="cuda"), params) == "cuda_kernel"
+    kernel = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(3), fast=False)
+    with kernels.generation_kernels(False):
+        ref = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(3), fast=False)
+    assert torch.equal(kernel.sequences, ref.sequences)
+    assert torch.equal(kernel.action_mask, ref.action_mask)
 
 
 def test_decode_steps_do_not_sync_with_the_host(models, batch) -> None:

@@ -33,6 +33,7 @@ from rlhf.engine.kernels import (
     sample_tokens_reference,
 )
 from rlhf.engine.ops import CSRC_DIR, OpSpec, build_directory, load_op, op_report
+from tests.test_generation import hf_warp
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -133,17 +134,6 @@ def test_ops_are_registered() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    scores = TemperatureLogitsWarper(float(temperature))(None, logits.float())
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return scores
-
-
 @pytest.mark.parametrize(
     "temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 50, 1.0), (0.8, 40, 0.95), (1.3, 0, 0.5), (1.0, 5, 0.3), (0.5, 1, 1.0)]
 )
@@ -151,7 +141,7 @@ def test_filter_matches_hf_warpers_without_ties(temperature: float, top_k: int, 
     gen = torch.Generator().manual_seed(top_k + int(100 * top_p))
     logits = torch.randn(32, 1000, generator=gen) * 3  # continuous values: no ties
     ours = filter_logits_reference(logits, temperature, top_k, top_p)
-    theirs = hf_filter(logits, temperature, top_k, top_p)
+    theirs = hf_warp(logits, temperature, top_k, top_p)
     assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
     torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
 
@@ -160,8 +150,10 @@ def test_filter_hand_computed_thresholds_and_ties() -> None:
     probs = torch.tensor([[0.5, 0.2, 0.2, 0.1]])
     logits = probs.log()
     kept = lambda **kw: torch.isfinite(filter_logits_reference(logits, 1.0, **kw))[0].tolist()  # noqa: E731
-    # Mass strictly above: 0, 0.5, 0.5 (tie group), 0.9.
-    assert kept(top_p=0.6) == [True, True, True, False]
+    # Most to least likely, tied tokens by descending id (HF's order under a stable sort):
+    # 0, 2, 1, 3 with mass before each 0, 0.5, 0.7, 0.9. Only part of the 0.2 tie survives 0.6.
+    assert kept(top_p=0.6) == [True, False, True, False]
+    assert kept(top_p=0.75) == [True, True, True, False]
     assert kept(top_p=0.5) == [True, False, False, False]
     assert kept(top_p=0.0) == [True, False, False, False]  # the maximum always survives
     assert kept(top_k=2) == [True, True, True, False]  # ties with the k-th are kept
@@ -218,17 +210,9 @@ def _require_op(spec: OpSpec) -> None:
     assert load_op(spec.name) is not None, f"{spec.name} must build on a GPU machine (see the warning above)"
 
 
-GPU_ATTENTION_CASES = [
-    # (batch, heads, kv_heads, head_dim, context)
-    (1, 8, 8, 64, 1),
-    (7, 8, 2, 64, 7),
-    (1, 32, 8, 128, 1023),
-    (7, 14, 2, 128, 1023),
-    (1, 16, 1, 64, 4099),
-    (7, 12, 4, 128, 4099),
-    (3, 4, 2, 32, 300),
-    (2, 8, 2, 256, 777),
-]
+# The CPU cases plus larger head counts, every head size the op is built for, and odd contexts.
+GPU_ATTENTION_CASES = [*ATTENTION_CASES, (1, 32, 8, 128, 1023), (7, 14, 2, 128, 1023), (1, 16, 1, 64, 4099),
+                       (7, 12, 4, 128, 4099), (3, 4, 2, 32, 300), (2, 8, 2, 256, 777)]
 
 
 @pytest.mark.gpu
@@ -248,7 +232,8 @@ def test_cuda_decode_attention_matches_reference(
     v = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
     if layout == "bshd":  # [B, S, Hkv, D] storage viewed as [B, Hkv, S, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-    q = torch.randn(batch, heads, head_dim, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(batch, heads + kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    q = q[:, :heads] if layout == "bshd" else q[:, :heads].contiguous()  # strided as FastLlamaDecoder's
     lengths = torch.randint(1, context + 1, (batch,), device="cuda", generator=gen)
     lengths[0] = context
     # Stale NaN past every length: a kernel that reads masked slots fails loudly.
@@ -434,7 +419,7 @@ def _check(lib: ctypes.CDLL, rc: int) -> None:
 
 
 def emu_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_info: torch.Tensor) -> tuple[torch.Tensor, int]:
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous, as the binding allocates it
     lengths = key_info.long().contiguous() if key_info.dtype != torch.bool else None
     mask = key_info.to(torch.uint8).contiguous() if key_info.dtype == torch.bool else None
     seq_len = mask.shape[1] if mask is not None else k.shape[2]
@@ -460,7 +445,8 @@ def test_emulated_decode_attention_matches_reference(emulator: ctypes.CDLL, case
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         k[:, :, context:] = float("nan")  # stale slots past every length must never be read
         v[:, :, context:] = float("nan")
-        q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+        # q as FastLlamaDecoder passes it: the query heads narrowed out of its fused q/k rows.
+        q = torch.randn(batch, heads + kv_heads, head_dim, generator=gen).to(dtype)[:, :heads]
         lengths = torch.randint(1, context + 1, (batch,), generator=gen)
         lengths[0] = context
         for key_info in (lengths, left_padded_mask(lengths, context)):
@@ -495,6 +481,39 @@ def test_emulated_sampling_matches_reference(emulator: ctypes.CDLL) -> None:
         _check(emulator, rc)
         want = sample_tokens_reference(logits, max(setting[0], 0.0), max(setting[1], 0), setting[2], uniform=u)
         assert torch.equal(out, want), (trial, vocab, dtype, kind, setting, out.tolist(), want.tolist())
+
+
+def emu_sample(lib: ctypes.CDLL, logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    rc = lib.emu_sample_tokens(_DTYPE_CODE[logits.dtype], _ptr(logits), ctypes.c_int64(logits.stride(0)), logits.shape[0],
+                               logits.shape[1], _ptr(u), _ptr(out), ctypes.c_float(temperature), top_k, ctypes.c_float(top_p))
+    _check(lib, rc)
+    return out
+
+
+@pytest.mark.slow
+def test_emulated_sampling_cuts_top_p_tie_groups_like_process_logits(emulator: ctypes.CDLL) -> None:
+    """Top-p through a tie group keeps its highest ids (process_logits); an even grid of uniforms
+    draws every kept token, so the kernel's kept set must equal the reference's exactly."""
+    n = 64
+    u = (torch.arange(n, dtype=torch.float64) + 0.5).div(n).float()
+    # The hand case of test_filter_hand_computed_thresholds_and_ties, then tie groups spread
+    # over several 512-token tiles (the kernel counts tied tokens across tiles).
+    hand = torch.tensor([0.5, 0.2, 0.2, 0.1]).log()
+    wide = torch.zeros(1500)
+    wide[::3] = 1.0  # 500 tokens tied at the top, 1000 tied below
+    cuts = 0
+    for logits, top_k, top_p in [(hand, 0, 0.6), (hand, 0, 0.75), (hand, 3, 0.6), (hand, 0, 0.0),
+                                 (wide, 0, 0.3), (wide, 0, 0.7), (wide, 600, 0.6), (wide, 0, 0.0)]:
+        rows = logits.expand(n, -1).contiguous()
+        got = emu_sample(emulator, rows, u, 1.0, top_k, top_p)
+        want = sample_tokens_reference(rows, 1.0, top_k, top_p, uniform=u)
+        assert torch.equal(got, want), (top_k, top_p, got.tolist(), want.tolist())
+        kept = torch.isfinite(filter_logits_reference(logits[None], 1.0, top_k, top_p))[0]
+        groups = logits[kept].unique()
+        cuts += int(((logits == groups.min()) & ~kept).any())
+        assert set(got.tolist()) <= set(torch.nonzero(kept).flatten().tolist())
+    assert cuts >= 6  # most cases cut through a tie group
 
 
 @pytest.mark.slow

@@ -11,17 +11,17 @@ from rlhf.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
     compute_token_rewards,
-    entropy_from_logits,
     explained_variance,
     gae_advantages,
     kl_estimate,
-    last_token_index,
     masked_mean,
     masked_var,
     masked_whiten,
     policy_loss,
     value_loss,
 )
+from rlhf.engine.logprobs import entropy_from_logits_chunked
+from rlhf.engine.positions import last_token_index
 
 # Three rows of different lengths: right padding, left padding, and a hole in the middle.
 MASK = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0]])
@@ -75,6 +75,52 @@ def test_masked_whiten() -> None:
     assert whitened[MASK == 0].abs().max().item() == 0.0
     kept_mean = masked_whiten(x, MASK, shift_mean=False)
     assert _masked_items(kept_mean, MASK) == pytest.approx([e + mean for e in expected], rel=1e-4)
+
+
+def test_masked_whiten_hand_numbers() -> None:
+    # Masked [1, 2, 3]: mean 2, unbiased variance (1 + 0 + 1) / 2 = 1; the padded 100 is ignored.
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    _close(masked_whiten(x, mask), [[-1.0, 0.0, 1.0, 0.0]])
+    _close(masked_whiten(x, mask, shift_mean=False), [[1.0, 2.0, 3.0, 0.0]])
+    # [0, 4]: mean 2, unbiased variance (4 + 4) / 1 = 8, so +-2 / sqrt(8) = +-1 / sqrt(2).
+    _close(masked_whiten(torch.tensor([[0.0, 4.0]]), torch.ones(1, 2)), [[-math.sqrt(0.5), math.sqrt(0.5)]])
+    # One masked position has no variance: it whitens to 0 rather than failing the run.
+    _close(masked_whiten(torch.tensor([[5.0, 7.0]]), torch.tensor([[0, 1]])), [[0.0, 0.0]])
+    assert masked_whiten(torch.randn(2, 3, dtype=torch.bfloat16), torch.ones(2, 3)).dtype == torch.float32
+
+
+def test_masked_whiten_two_ranks_equal_one_rank_on_the_concatenation() -> None:
+    """A fake 2-rank all-reduce (two threads summing through a barrier) gives each rank's share
+    of what one rank computes on the whole batch: N ranks equal one rank."""
+    import threading
+
+    x = _random(6, (6, 5)) * 4.0 + 1.0
+    mask = torch.cat([MASK, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 0], [1, 1, 0, 0, 0]])])
+    whole = masked_whiten(x, mask)
+    shares = [(x[:2], mask[:2]), (x[2:], mask[2:])]  # unequal token counts per rank
+    deposited: list[torch.Tensor | None] = [None, None]
+    barrier = threading.Barrier(2)
+    results: list[torch.Tensor | None] = [None, None]
+
+    def rank(r: int) -> None:
+        def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            deposited[r] = t.clone()
+            barrier.wait()
+            total = deposited[0] + deposited[1]
+            barrier.wait()
+            return total
+
+        results[r] = masked_whiten(*shares[r], all_reduce=all_reduce_sum)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat([results[0], results[1]]), whole, rtol=1e-6, atol=1e-6)
+    # and each rank alone (no reducer) would NOT match: the reducer is what makes them agree
+    assert not torch.allclose(masked_whiten(*shares[0]), whole[:2], atol=1e-3)
 
 
 # ---------------------------------------------------------------------------- KL and rewards
@@ -213,15 +259,23 @@ def test_value_loss_hand_numbers() -> None:
     assert clipfrac.item() == pytest.approx(1 / 3)
 
 
-def test_entropy_from_logits() -> None:
+def test_entropy_from_logits_hand_numbers() -> None:
+    # The PPO stage's entropy is the chunked one (rlhf.engine.logprobs); the unchunked duplicate
+    # that used to live in rlhf.algorithms.ppo is gone, and its hand-computed cases moved here.
     uniform = torch.zeros(2, 3, 7)
-    _close(entropy_from_logits(uniform), [[math.log(7)] * 3] * 2)
+    _close(entropy_from_logits_chunked(uniform), [[math.log(7)] * 3] * 2)
+    _close(entropy_from_logits_chunked(uniform, chunk_size=1), [[math.log(7)] * 3] * 2)
     logits = torch.tensor([[0.0, math.log(3.0)]])  # p = [0.25, 0.75]
-    assert entropy_from_logits(logits).item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
-    # Huge and -inf logits stay finite: masked vocabulary entries contribute nothing.
-    big = torch.tensor([[1e4, 1e4, float("-inf"), -1e4]])
-    assert entropy_from_logits(big).item() == pytest.approx(math.log(2))
-    assert entropy_from_logits(torch.randn(4, 9, dtype=torch.bfloat16)).dtype == torch.float32
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy_from_logits_chunked(logits).item() == pytest.approx(expected, rel=1e-6)
+    # Huge and -inf logits stay finite: masked vocabulary entries contribute nothing, and the
+    # large common offset does not cancel H away.
+    big = torch.tensor([[1e4, 1e4, float("-inf"), -1e4]], requires_grad=True)
+    entropy = entropy_from_logits_chunked(big)
+    assert entropy.item() == pytest.approx(math.log(2), rel=1e-6)
+    (grad,) = torch.autograd.grad(entropy.sum(), big)
+    _close(grad, [[0.0, 0.0, 0.0, 0.0]])  # uniform over the two survivors: a stationary point
+    assert entropy_from_logits_chunked(torch.randn(4, 9, dtype=torch.bfloat16)).dtype == torch.float32
 
 
 def test_explained_variance() -> None:

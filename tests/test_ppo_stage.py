@@ -50,9 +50,12 @@ def letter_task(tmp_path_factory) -> Path:
 def test_score_rises_while_kl_stays_bounded(tiny_model_dirs, prompts, letter_task, tmp_path):
     model = tiny_model_dirs["llama"]
     out = tmp_path / "ppo"
+    # kl_coef 0.03, not 0.02: at 0.02 the max KL of this run crossed 20 on 5 of 11 random streams
+    # (--seed 0..5, two seed derivations), so the test passed by the luck of the stream; at 0.03
+    # seven streams all gave a score gain of 0.24-0.44 and a max KL of 8.9-13.7.
     main(["ppo", "--actor", str(model), "--critic", str(model), "--reward-fn", "letter_a", "--data", str(prompts),
           "--output", str(out), "--max-steps", "25", "--generation-batch-size", "16", "--max-new-tokens", "8",
-          "--lr", "1e-2", "--critic-lr", "2e-3", "--kl-coef", "0.02", "--lr-scheduler", "constant",
+          "--lr", "1e-2", "--critic-lr", "2e-3", "--kl-coef", "0.03", "--lr-scheduler", "constant",
           "--report-to", "none", "--optimizer-impl", "torch", "--micro-batch-size", "16"])
     rows = read_metrics(out)
     first = sum(r["score_mean"] for r in rows[:5]) / 5
@@ -92,3 +95,42 @@ def test_two_ranks_zero3_tp2_match_world_size_one(tmp_path, prompts):
     for key in ("score_mean", "kl", "response_length", "reward_total", "value_loss", "policy_loss", "entropy"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
     assert b["rollout_parity_max_diff"] < 1e-4
+
+
+def test_resume_with_ema_ptx_and_adaptive_kl_continues_exactly(tiny_model_dirs, prompts, sft_data, letter_task,
+                                                              tmp_path):
+    """A run cut after iteration 2 and resumed logs the same iterations 3-4 as the uninterrupted one:
+    the trainer's resume restores the engines, the adaptive KL coefficient and the actor's EMA."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tiny_model_dirs["llama"]
+    args = ["ppo", "--actor", str(model), "--reward-fn", "letter_a", "--critic", str(model),
+            "--data", str(prompts), "--max-steps", "4", "--save-interval", "2", "--keep-checkpoints", "3",
+            "--generation-batch-size", "8", "--micro-batch-size", "4", "--max-new-tokens", "6", "--lr", "1e-2",
+            "--ema-decay", "0.5", "--ptx-data", str(sft_data), "--ptx-coef", "0.5", "--adaptive-kl",
+            "--kl-target", "0.01", "--kl-horizon", "100", "--report-to", "none", "--optimizer-impl", "torch",
+            "--lr-scheduler", "constant", "--sample-log-interval", "0"]
+    full = tmp_path / "full"
+    main([*args, "--output", str(full)])
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for name in ("model", "critic", "model_ema", "DONE", "summary.json"):
+        path = cut / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    shutil.rmtree(cut / "checkpoints" / "step_00000004")
+    (cut / "checkpoints" / "latest").write_text("step_00000002")
+    main([*args, "--output", str(cut), "--resume"])
+    a, b = read_metrics(full), read_metrics(cut)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in ("score_mean", "kl", "kl_coef", "policy_loss", "value_loss", "ptx_loss", "response_length"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-6), key
+    assert a[-1]["kl_coef"] != a[0]["kl_coef"]  # adaptive KL moved, and resumed where it was
+    assert a[-1]["ptx_loss"] > 0
+    for name in ("model", "model_ema"):
+        x, y = load_file(full / name / "model.safetensors"), load_file(cut / name / "model.safetensors")
+        assert all(torch.equal(x[k], y[k]) for k in x), name
+    ema, actor = load_file(full / "model_ema" / "model.safetensors"), load_file(full / "model" / "model.safetensors")
+    assert any(not torch.equal(ema[k], actor[k]) for k in actor)  # the EMA lags the actor

@@ -125,8 +125,10 @@ def test_score_statistics_from_pair_means() -> None:
 
 def test_learns_sorted_order_and_saved_model_scores_the_same(base_model: Path, sort_pairs: Path, tmp_path: Path) -> None:
     out = tmp_path / "rm"
+    # 150 steps: at 100 the held-out accuracy sat at the 0.95 bar on several random streams (0.933 to
+    # 1.0 over --seed 0-4 and 42, two seed derivations); at 150 it is 0.99-1.0 on every one tried.
     summary = _run(["--model", str(base_model), "--data", str(sort_pairs), "--output", str(out),
-                    "--eval-split", "0.2", "--micro-batch-size", "16", "--max-steps", "100",
+                    "--eval-split", "0.2", "--micro-batch-size", "16", "--max-steps", "150",
                     "--lr", "5e-3", "--warmup-steps", "10"])
     assert summary["eval_on_train"] is False and summary["eval_rows"] == 120
     assert summary["eval_accuracy"] >= 0.95, summary
@@ -191,7 +193,7 @@ def test_resume_continues_where_the_checkpoint_left_off(base_model: Path, sort_p
     data = _write_jsonl(tmp_path / "pairs.jsonl", [json.loads(line) for line in sort_pairs.read_text().splitlines()[:64]])
     # Constant LR, so a 2-step run resumed to 4 steps follows the same schedule as 4 steps at once.
     args = ["--model", str(base_model), "--data", str(data), "--micro-batch-size", "8", "--lr", "1e-2",
-            "--lr-scheduler", "constant", "--value-head-init-std", "0.5"]
+            "--lr-scheduler", "constant", "--value-head-init-std", "0.5", "--save-final-checkpoint"]
     straight = _run([*args, "--output", str(tmp_path / "a"), "--max-steps", "4"])
     _run([*args, "--output", str(tmp_path / "b"), "--max-steps", "2"])
     resumed = _run([*args, "--output", str(tmp_path / "b"), "--max-steps", "4", "--resume"])
@@ -217,7 +219,8 @@ def test_row_formats_drop_counts_and_eval_on_train(base_model: Path, tmp_path: P
     assert summary["train_rows"] == 12 and summary["eval_rows"] == 0
     assert summary["eval_on_train"] is True
     assert {"eval_accuracy", "chosen_mean", "rejected_mean", "score_mean", "score_std"} <= summary.keys()
-    assert {"model", "config.yaml", "metrics.jsonl", "checkpoints", "DONE"} <= {p.name for p in out.iterdir()}
+    assert {"model", "config.yaml", "metrics.jsonl", "DONE"} <= {p.name for p in out.iterdir()}
+    assert not (out / "checkpoints").exists()  # no --save-interval, no --save-final-checkpoint
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["score_std"] == pytest.approx(summary["score_std"])
     assert last["eval_accuracy"] == pytest.approx(summary["eval_accuracy"])

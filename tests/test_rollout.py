@@ -52,3 +52,32 @@ def test_zero3_shards_to_tp2_rollout_matches_world_size_one(peaky_model, tmp_pat
         assert run["caught"], "corrupted rollout weights were not caught by the parity check"
         assert run["released"], "the rollout model outlived rollout mode"
     assert any(any(row) for row in single["action_mask"])
+
+
+def test_tp_coordinates_group_consecutive_ranks_and_check_the_world_size() -> None:
+    from rlhf.engine.distributed import DistributedContext, TPCoordinates
+    from rlhf.errors import UserError
+
+    ctx = DistributedContext(rank=5, local_rank=1, world_size=8, device=torch.device("cpu"), backend="gloo")
+    assert ctx.tp_coordinates(4) == TPCoordinates(size=4, group_index=1, rank_in_group=1, num_groups=2)
+    assert ctx.tp_coordinates(2) == TPCoordinates(size=2, group_index=2, rank_in_group=1, num_groups=4)
+    assert ctx.tp_coordinates(1) == TPCoordinates(size=1, group_index=5, rank_in_group=0, num_groups=8)
+    for bad in (0, 3, 16):
+        with pytest.raises(UserError, match=r"--inference-tp-size .* world size 8"):
+            ctx.tp_coordinates(bad)
+    with pytest.raises(UserError, match="--inference-tp-size"):  # the mesh asks the same place
+        ctx.tp_mesh(3)
+
+
+def test_sharding_plan_is_the_one_meaning_of_a_zero_stage() -> None:
+    from rlhf.engine.fsdp import ShardingPlan, sharding_plan
+
+    assert sharding_plan(3) == ShardingPlan(3, "shard", reshard_after_forward=True, sync_grads_every_micro_step=True)
+    for stage in (1, 2):
+        assert sharding_plan(stage) == ShardingPlan(stage, "shard", False, False)
+    assert sharding_plan(0) == ShardingPlan(0, "replicate", False, False)
+    # A frozen model has nothing but params to shard: stage 0 shards them like stage 3.
+    assert sharding_plan(0, trainable=False) == sharding_plan(3)
+    assert sharding_plan(2, trainable=False) == sharding_plan(2)
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        sharding_plan(4)

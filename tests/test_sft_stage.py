@@ -31,7 +31,7 @@ def test_sft_learns_and_writes_the_output_contract(family, tiny_model_dirs, sft_
     losses = train_losses(out)
     assert len(losses) == 10
     assert losses[-1] < losses[0] * 0.8, losses
-    for name in ("model", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "DONE"):
+    for name in ("model", "config.yaml", "metrics.jsonl", "summary.json", "DONE"):
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10 and summary["eval_perplexity"] > 1.0

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.errors import UserError
+from rlhf.engine import positions
 from rlhf.engine.layers import decoder_layers
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, save_tiny_model
 from rlhf.models.value_model import (
@@ -120,6 +121,10 @@ def test_last_token_index_reads_the_mask_not_pad_ids() -> None:
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 0, 0, 0]])
     assert last_token_index(mask).tolist() == [2, 4, 0]
     assert position_ids_from_mask(mask).tolist() == [[0, 1, 2, 0, 0], [0, 0, 0, 1, 2], [0, 0, 0, 0, 0]]
+    # One implementation: the value model's helpers are the engine's (generation uses them too).
+    assert (last_token_index, position_ids_from_mask) == (positions.last_token_index, positions.position_ids_from_mask)
+    with pytest.raises(ValueError, match="1 row.* all zeros"):
+        last_token_index(torch.tensor([[1, 0], [0, 0]]))
 
 
 def test_score_with_leading_token_equal_to_pad_id(lm_dirs: dict[str, Path]) -> None:

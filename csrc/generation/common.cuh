@@ -61,33 +61,34 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Inclusive prefix sum over the block (blockDim.x a multiple of 32). `warp_totals` is shared
-// scratch of blockDim.x / 32 floats; every thread also gets the block total. The summation
-// order is fixed, so the result is deterministic.
-__device__ __forceinline__ float block_inclusive_sum(float x, float* warp_totals, float* total) {
+// Inclusive prefix sum over the block (blockDim.x a multiple of 32) of floats or counts.
+// `warp_totals` is shared scratch of blockDim.x / 32 elements; every thread also gets the block
+// total. The summation order is fixed, so the result is deterministic.
+template <typename T>
+__device__ __forceinline__ T block_inclusive_sum(T x, T* warp_totals, T* total) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int num_warps = blockDim.x >> 5;
 #pragma unroll
   for (int offset = 1; offset < 32; offset <<= 1) {
-    const float y = __shfl_up_sync(0xffffffffu, x, offset);
+    const T y = __shfl_up_sync(0xffffffffu, x, offset);
     if (lane >= offset) x += y;
   }
   __syncthreads();  // a previous call may still be reading warp_totals
   if (lane == 31) warp_totals[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < num_warps ? warp_totals[lane] : 0.f;
+    T t = lane < num_warps ? warp_totals[lane] : T(0);
 #pragma unroll
     for (int offset = 1; offset < 32; offset <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, t, offset);
+      const T y = __shfl_up_sync(0xffffffffu, t, offset);
       if (lane >= offset) t += y;
     }
     if (lane < num_warps) warp_totals[lane] = t;
   }
   __syncthreads();
   *total = warp_totals[num_warps - 1];
-  return (warp > 0 ? warp_totals[warp - 1] : 0.f) + x;
+  return (warp > 0 ? warp_totals[warp - 1] : T(0)) + x;
 }
 
 // Online log-sum-exp state (natural log): the set it summarises has sum(exp(x)) = s * exp(m).

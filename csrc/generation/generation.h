@@ -58,8 +58,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionParams& params, DType d
 // ---------------------------------------------------------------------------------------------
 // Sampling: temperature, then top-k, then top-p (Hugging Face warper order), then inverse-CDF
 // sampling in vocabulary order with one uniform number per row. Temperature <= 0 is greedy.
-// top_k <= 0 or >= vocab disables top-k; top_p >= 1 disables top-p. Ties at a threshold are
-// kept. See engine/kernels.py::sample_tokens_reference for the exact semantics.
+// top_k <= 0 or >= vocab disables top-k; top_p >= 1 disables top-p. Ties at the top-k threshold
+// are kept; a tie group at the top-p boundary keeps its highest ids (HF's warper with a stable
+// sort). See engine/sampling.py::process_logits for the exact semantics.
 // ---------------------------------------------------------------------------------------------
 struct SamplingParams {
   const void* logits = nullptr;  // [B, V], row stride logits_stride_b

@@ -1,18 +1,22 @@
 // Fused temperature / top-k / top-p sampling, one block per row, no host synchronisation.
 //
-// Semantics (engine/kernels.py::sample_tokens_reference is the definition):
+// Semantics (engine/sampling.py::process_logits and sample_from_logits are the definition):
 //   x = logits / temperature (fp32); temperature <= 0 means greedy (first index of the max).
 //   top-k keeps x >= the k-th largest x (ties kept).
-//   top-p keeps x whose "mass strictly above" is < top_p * Z, with masses e^(x - max) over the
-//   top-k survivors and Z their sum; the maximum is always kept.
+//   top-p orders the top-k survivors from most to least likely, tied tokens by descending id,
+//   and keeps a token while the mass before it is < top_p * Z, with masses e^(x - max) and Z
+//   their sum (Hugging Face's TopPLogitsWarper with a stable sort); the first is always kept.
+//   So a tie group at the top-p boundary may be cut: its highest ids are kept.
 //   The token is the first index (vocabulary order) whose inclusive cumulative kept mass exceeds
 //   u * Z_kept, u being the row's uniform number; if rounding leaves none, the last kept token
 //   with positive mass.
 //
 // Thresholds are found without sorting: a radix select over order-preserving 32-bit keys of x,
 // 8 bits per pass from the most significant digit. Top-k histograms counts, top-p histograms
-// masses, so each needs 4 passes over the row. The row stays in L2 between passes. The draw is a
-// tiled block scan that stops at the first tile containing the crossing.
+// masses (and, in its last pass, the size of the boundary's tie group), so each needs 4 passes
+// over the row. The row stays in L2 between passes. The draw is a tiled block scan that stops at
+// the first tile containing the crossing; when the tie group is cut it also counts tied tokens
+// in id order, to drop the first ones.
 
 #include <climits>
 
@@ -28,6 +32,7 @@ constexpr int kBins = 256;
 
 struct SampleShared {
   float scan_totals[kWarps];
+  int scan_counts[kWarps];
   unsigned int count_hist[kBins];
   float mass_hist[kBins];
   float reduce[kWarps];
@@ -35,6 +40,8 @@ struct SampleShared {
   uint32_t prefix;
   unsigned int remaining;
   float above;
+  int drop_ties;
+  float kept_tie_mass;
   int found;
   int last_positive;
 };
@@ -154,10 +161,40 @@ __device__ uint32_t top_k_threshold(const ScaledRow<T>& x, int vocab, int k, Sam
   return prefix;
 }
 
-// Key of the smallest kept x under top-p, among x with key >= floor_key. mass(x) = e^(x - max).
+// The float whose float_order_key is `key` (+0.0 for the key that -0.0 and +0.0 share).
+__device__ __forceinline__ float float_from_order_key(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Where top-p cuts: keep x with key > `key`; of the `drop_ties + kept` tokens with key == `key`,
+// drop the first `drop_ties` in id order and keep the rest, whose total mass is kept_tie_mass.
+struct TopPBoundary {
+  uint32_t key;
+  int drop_ties;
+  float kept_tie_mass;
+};
+
+// How many of a tie group of `ties` tokens of mass `m` each top-p keeps: with `above` the mass
+// of all larger tokens, the j-th tied token (descending id order) has above + j * m before it
+// and is kept while that is < target. At least one is kept (the row's maximum always is, and
+// only the maximum's group can start at or above the target).
+__device__ __forceinline__ unsigned int kept_ties(unsigned int ties, float m, float above, float target) {
+  unsigned int lo = 0, hi = ties;  // binary search for the first j that is not kept
+  while (lo < hi) {
+    const unsigned int mid = lo + (hi - lo) / 2;
+    if (above + static_cast<float>(mid) * m < target) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo > 0 ? lo : 1;
+}
+
+// The top-p boundary among x with key >= floor_key. mass(x) = e^(x - max).
 template <typename T>
-__device__ uint32_t top_p_threshold(const ScaledRow<T>& x, int vocab, float row_max, uint32_t floor_key,
-                                    float top_p, SampleShared& sh) {
+__device__ TopPBoundary top_p_threshold(const ScaledRow<T>& x, int vocab, float row_max, uint32_t floor_key,
+                                        float top_p, SampleShared& sh) {
   float z = 0.f;
   for (int i = threadIdx.x; i < vocab; i += kThreads) {
     const float v = x(i);
@@ -169,13 +206,18 @@ __device__ uint32_t top_p_threshold(const ScaledRow<T>& x, int vocab, float row_
   uint32_t prefix_mask = 0;
   float above = 0.f;  // mass of the candidates whose key is above the current prefix range
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < kBins; i += kThreads) sh.mass_hist[i] = 0.f;
+    for (int i = threadIdx.x; i < kBins; i += kThreads) {
+      sh.mass_hist[i] = 0.f;
+      sh.count_hist[i] = 0;
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < vocab; i += kThreads) {
       const float v = x(i);
       const uint32_t key = float_order_key(v);
       if (key >= floor_key && (key & prefix_mask) == prefix) {
         atomicAdd(&sh.mass_hist[(key >> shift) & 0xffu], expf(v - row_max));
+        // In the last pass a bin is one value: its count is the size of that tie group.
+        if (shift == 0) atomicAdd(&sh.count_hist[key & 0xffu], 1u);
       }
     }
     __syncthreads();
@@ -211,7 +253,15 @@ __device__ uint32_t top_p_threshold(const ScaledRow<T>& x, int vocab, float row_
     prefix = sh.prefix;
     prefix_mask |= 0xffu << shift;
   }
-  return prefix;
+  if (threadIdx.x == 0) {
+    const unsigned int ties = sh.count_hist[prefix & 0xffu];
+    const float m = expf(float_from_order_key(prefix) - row_max);
+    const unsigned int kept = ties == 0 ? 0u : kept_ties(ties, m, above, target);  // 0: a row of no mass
+    sh.drop_ties = static_cast<int>(ties - kept);
+    sh.kept_tie_mass = static_cast<float>(kept) * m;
+  }
+  __syncthreads();
+  return {prefix, sh.drop_ties, sh.kept_tie_mass};
 }
 
 template <typename T>
@@ -232,16 +282,27 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplingP
   for (int i = threadIdx.x; i < vocab; i += kThreads) local_max = fmaxf(local_max, x(i));
   const float row_max = block_max(local_max, sh);
 
-  uint32_t keep_key = 0;  // keep x with key >= keep_key; 0 keeps everything
+  // Keep x with key > keep_key, and those with key == keep_key but the first drop_ties of them
+  // in id order (top-p's cut through a tie group); keep_key 0 keeps everything.
+  uint32_t keep_key = 0;
+  int drop_ties = 0;
+  float kept_tie_mass = 0.f;
   if (p.top_k > 0 && p.top_k < vocab) keep_key = top_k_threshold(x, vocab, p.top_k, sh);
-  if (p.top_p < 1.f) keep_key = max(keep_key, top_p_threshold(x, vocab, row_max, keep_key, p.top_p, sh));
+  if (p.top_p < 1.f) {
+    const TopPBoundary cut = top_p_threshold(x, vocab, row_max, keep_key, p.top_p, sh);
+    keep_key = cut.key;  // >= the top-k key: top-p only looks at the top-k survivors
+    drop_ties = cut.drop_ties;
+    kept_tie_mass = cut.kept_tie_mass;
+  }
 
+  // Kept mass; a cut tie group is added as a whole (its tokens all have the same mass).
   float z = 0.f;
   for (int i = threadIdx.x; i < vocab; i += kThreads) {
     const float v = x(i);
-    if (float_order_key(v) >= keep_key) z += expf(v - row_max);
+    const uint32_t key = float_order_key(v);
+    if (key > keep_key || (key == keep_key && drop_ties == 0)) z += expf(v - row_max);
   }
-  const float target = p.uniform[row_index] * block_sum(z, sh);
+  const float target = p.uniform[row_index] * (block_sum(z, sh) + (drop_ties > 0 ? kept_tie_mass : 0.f));
 
   if (threadIdx.x == 0) {
     sh.found = INT_MAX;
@@ -249,13 +310,20 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplingP
   }
   __syncthreads();
   float carry = 0.f;
+  int ties_before = 0;  // tokens of the cut tie group in earlier tiles
   for (int base = 0; base < vocab; base += kThreads) {
     const int i = base + threadIdx.x;
-    float mass = 0.f;
-    if (i < vocab) {
-      const float v = x(i);
-      if (float_order_key(v) >= keep_key) mass = expf(v - row_max);
+    const float v = i < vocab ? x(i) : kNegInf;
+    const uint32_t key = i < vocab ? float_order_key(v) : 0u;
+    bool kept = i < vocab && (key > keep_key || (key == keep_key && drop_ties == 0));
+    if (drop_ties > 0) {  // the same for the whole block: every thread joins the scan
+      const int tie = i < vocab && key == keep_key ? 1 : 0;
+      int tile_ties;
+      const int rank = ties_before + block_inclusive_sum(tie, sh.scan_counts, &tile_ties) - tie;
+      kept = kept || (tie && rank >= drop_ties);
+      ties_before += tile_ties;
     }
+    const float mass = kept ? expf(v - row_max) : 0.f;
     float tile_total;
     const float inclusive = block_inclusive_sum(mass, sh.scan_totals, &tile_total);
     if (mass > 0.f) {

@@ -8,7 +8,8 @@ Conventions shared by every function here:
   `sum(x * mask) / sum(mask)`, TRL's `masked_mean`); an empty mask gives 0, never NaN.
 - Outputs that are [B, T] are 0 outside the mask, so a stray padding value can never leak
   into a loss or a statistic.
-- Statistics are computed in float32 whatever the input dtype (bf16 log-probs included).
+- Statistics are computed in float32 whatever the input dtype (bf16 log-probs included);
+  whitening's sums, which may be all-reduced over ranks, in float64.
 
 References: InstructGPT (Ouyang et al. 2022) and Ziegler et al. 2019 for the per-token KL
 penalty and the adaptive KL coefficient; DeepSpeed-Chat (`ppo_trainer.py`) and TRL
@@ -19,10 +20,13 @@ divergence" (2020) for the k1/k2/k3 estimators.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from rlhf.engine.positions import last_token_index
 
 KLKind = Literal["k1", "k2", "k3"]
 
@@ -55,19 +59,34 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+SumReducer = Callable[[Tensor], Tensor]
+"""Sums a tensor over the data-parallel ranks (e.g. `DistributedContext.all_reduce_sum`)."""
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, all_reduce: SumReducer | None = None
+) -> Tensor:
     """Normalise `x` to unit variance (and zero mean with `shift_mean`) over the masked positions.
 
     TRL's `masked_whiten`: advantages are whitened with `shift_mean=True`, rewards (when scaled)
-    with `shift_mean=False` so their sign is kept. Uses the unbiased variance; 0 outside the mask.
-    Statistics are local to this call: whitening across data-parallel ranks needs the caller to
-    all-reduce sums first.
+    with `shift_mean=False` so their sign is kept. The mean and the unbiased variance come from
+    three float64 sums (x, x**2, mask count); `all_reduce` sums them over ranks first, so N ranks
+    each whitening their share give what one rank gives on the whole batch. Fewer than two masked
+    positions give a variance of 0 (never an error, so one short batch cannot stop a run).
+    Returns float32, 0 outside the mask.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
-    whitened = (x.to(torch.float32) - mean) * torch.rsqrt(var + eps)
+    m = mask.to(torch.float64)
+    x64 = x.to(torch.float64)
+    sums = torch.stack([(x64 * m).sum(), (x64 * x64 * m).sum(), m.sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums).to(sums.device)
+    count = sums[2].clamp(min=1.0)
+    mean = sums[0] / count
+    var = ((sums[1] / count - mean * mean) * count / (count - 1.0).clamp(min=1.0)).clamp(min=0.0)
+    mean32 = mean.to(torch.float32)
+    whitened = (x.to(torch.float32) - mean32) * torch.rsqrt(var.to(torch.float32) + eps)
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + mean32
     return whitened * mask.to(torch.float32)
 
 
@@ -87,19 +106,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k1") -> 
     if kind == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
-
-
-def last_token_index(mask: Tensor) -> Tensor:
-    """Index [B] of the last position where `mask` is 1 in each row (any padding side).
-
-    Raises ValueError if a row has no masked position, since there is then nowhere to put its
-    score (this reads one flag on the host).
-    """
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    index = torch.where(mask.bool(), positions, -1).amax(dim=-1)
-    if bool((index < 0).any()):
-        raise ValueError(f"{int((index < 0).sum())} row(s) of the mask have no tokens")
-    return index
 
 
 def compute_token_rewards(
@@ -206,18 +212,6 @@ def value_loss(
     with torch.no_grad():
         clipfrac = masked_mean((clipped_error > error).to(torch.float32), mask)
     return loss, clipfrac
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, in float32: [..., V] -> [...].
-
-    H = logsumexp(z) - sum(softmax(z) * z) as TRL's `entropy_from_logits`, but written as
-    -sum(p * log_softmax(z)) with 0 * log 0 taken as 0 so that -inf logits (top-k/top-p masking)
-    give finite entropies instead of NaN.
-    """
-    log_p = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    p = log_p.exp()
-    return -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(dim=-1)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

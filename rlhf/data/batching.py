@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.logging import get_logger
+from rlhf.seeding import derive_seed, seeded_permutation
 
 log = get_logger(__name__)
 
@@ -36,8 +37,8 @@ class BatchPlan:
         return self.num_rows // self.global_batch_size
 
     def epoch_order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.num_rows, generator=g).tolist()
+        """The row order of `epoch`: the same on every rank, a fresh shuffle each epoch."""
+        return seeded_permutation(self.num_rows, derive_seed(self.seed, "epoch_order", epoch))
 
     def step_micro_batches(self, epoch: int, step_in_epoch: int, order: list[int] | None = None) -> list[list[int]]:
         """This rank's micro-batches (row indices) of one optimizer step."""

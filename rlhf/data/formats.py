@@ -145,13 +145,27 @@ def render_prompt(messages: list[Message], tokenizer: Any) -> str:
 
 
 def render_response(messages: list[Message], response: str, tokenizer: Any) -> str:
-    """The response text as it follows `render_prompt(messages)`, ending with the end-of-turn token."""
+    """The response text as it follows `render_prompt(messages)`, ending with the EOS token.
+
+    This is the one rendering of a scored (or trained) response: it ends exactly where a rollout
+    stops, at the tokenizer's EOS. Chat templates often add text after the end-of-turn token
+    (ChatML writes `<|im_end|>\n`); that tail is cut, so the reward model is trained on the same
+    last token that PPO scores, and SFT teaches the model to stop there.
+    """
     if has_chat_template(tokenizer):
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(
             [*messages, {"role": "assistant", "content": response}], tokenize=False
         )
         if full.startswith(prompt):
-            return full[len(prompt):]
+            return cut_after_eos(full[len(prompt):], tokenizer.eos_token)
         # Templates that rewrite earlier turns: fall back to the plain continuation.
     return f" {response}{tokenizer.eos_token or ''}"
+
+
+def cut_after_eos(text: str, eos_token: str | None) -> str:
+    """`text` up to and including its last EOS token (unchanged when it has none)."""
+    if not eos_token:
+        return text
+    end = text.rfind(eos_token)
+    return text if end < 0 else text[: end + len(eos_token)]

@@ -10,6 +10,7 @@ from typing import Any
 
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.seeding import derive_seed
 
 log = get_logger(__name__)
 
@@ -129,7 +130,8 @@ def stage_share(rows: list[RawRow], data_split: str | None, stage: str, seed: in
         return rows
     fractions = parse_split(data_split)
     order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
+    # The same shuffle in every stage (same seed, same purpose), so the shares stay disjoint.
+    random.Random(derive_seed(seed, "data_split")).shuffle(order)
     bounds = [0]
     for f in fractions:
         bounds.append(bounds[-1] + f)
@@ -149,7 +151,7 @@ def eval_holdout(items: list[Any], eval_split: float, seed: int) -> tuple[list[A
     if eval_split >= 1:
         raise UserError(f"--eval-split {eval_split}: must be a fraction below 1")
     order = list(range(len(items)))
-    random.Random(seed + 1).shuffle(order)
+    random.Random(derive_seed(seed, "eval_holdout")).shuffle(order)
     n_eval = max(1, round(eval_split * len(items)))
     eval_idx = set(order[:n_eval])
     train = [x for i, x in enumerate(items) if i not in eval_idx]

@@ -15,7 +15,12 @@ _GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 def _check_source(name_or_path: str, flag: str) -> None:
     path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        raise UserError(f"{flag} {name_or_path}: is a GGUF file; convert it once with "
+                        f"`rlhf models get --gguf {name_or_path} --output DIR` and pass DIR")
     if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{flag} {name_or_path}: is a file; point it at a Hugging Face model folder")
         if not (path / "config.json").is_file():
             raise UserError(f"{flag} {name_or_path}: folder has no config.json; point it at a Hugging Face model folder")
     elif name_or_path.startswith((".", "/", "~")):

@@ -8,7 +8,9 @@ GPT-2's Conv1D) are all exercised.
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -23,8 +25,6 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
-
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "opt", "gpt2")
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -63,6 +63,51 @@ def build_char_tokenizer(add_bos: bool = True) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class FamilySpec:
+    """How one family's config spells the shared tiny-model knobs.
+
+    `fields` maps each knob of `tiny_config` to the config fields that take its value (OPT's
+    embedding projection must equal its hidden size); a family without a field for a knob (no
+    `num_kv_heads` in OPT or GPT-2: no GQA) ignores it. `fixed` switches off what would make a
+    tiny test model nondeterministic or unusual (dropout, sliding windows).
+    """
+
+    config_class: type[PretrainedConfig]
+    fields: dict[str, tuple[str, ...]]
+    ties_embeddings: bool
+    """The family's own default for tie_word_embeddings (Qwen2, OPT and GPT-2 tie; Llama and Mistral not)."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+
+_STANDARD_FIELDS: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size",), "intermediate_size": ("intermediate_size",),
+    "num_layers": ("num_hidden_layers",), "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads",), "max_positions": ("max_position_embeddings",),
+}
+
+FAMILY_SPECS: dict[str, FamilySpec] = {
+    "llama": FamilySpec(LlamaConfig, _STANDARD_FIELDS, ties_embeddings=False),
+    "qwen2": FamilySpec(Qwen2Config, _STANDARD_FIELDS, ties_embeddings=True),
+    "mistral": FamilySpec(MistralConfig, _STANDARD_FIELDS, ties_embeddings=False, fixed={"sliding_window": None}),
+    "opt": FamilySpec(
+        OPTConfig,
+        {"hidden_size": ("hidden_size", "word_embed_proj_dim"), "intermediate_size": ("ffn_dim",),
+         "num_layers": ("num_hidden_layers",), "num_heads": ("num_attention_heads",),
+         "max_positions": ("max_position_embeddings",)},
+        ties_embeddings=True, fixed={"do_layer_norm_before": True, "dropout": 0.0, "attention_dropout": 0.0},
+    ),
+    "gpt2": FamilySpec(
+        GPT2Config,
+        {"hidden_size": ("n_embd",), "intermediate_size": ("n_inner",), "num_layers": ("n_layer",),
+         "num_heads": ("n_head",), "max_positions": ("n_positions",)},
+        ties_embeddings=True, fixed={"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    ),
+}
+
+FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
+
+
 def tiny_config(
     family: str,
     vocab_size: int,
@@ -75,49 +120,28 @@ def tiny_config(
     pad_token_id: int = 0,
     bos_token_id: int = 1,
     eos_token_id: int = 2,
+    tie_word_embeddings: bool | None = None,
 ) -> PretrainedConfig:
-    """A small config of the given family; GQA (num_kv_heads < num_heads) where the family has it."""
-    ffn = intermediate_size or 2 * hidden_size
-    ids = dict(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    if family == "llama":
-        return LlamaConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
-            tie_word_embeddings=False, **ids,
-        )
-    if family == "qwen2":
-        return Qwen2Config(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
-            tie_word_embeddings=True, **ids,
-        )
-    if family == "mistral":
-        return MistralConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
-            sliding_window=None, tie_word_embeddings=False, **ids,
-        )
-    if family == "opt":
-        return OPTConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, ffn_dim=ffn,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-            max_position_embeddings=max_positions, word_embed_proj_dim=hidden_size,
-            do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0, **ids,
-        )
-    if family == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-            n_positions=max_positions, n_inner=ffn, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, **ids,
-        )
-    raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    """A small config of the given family; GQA (num_kv_heads < num_heads) where the family has it.
+
+    `tie_word_embeddings` None keeps the family's own default (see FAMILY_SPECS); True or False
+    forces it, so tied and untied variants of one family can both be tested.
+    """
+    spec = FAMILY_SPECS.get(family)
+    if spec is None:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    knobs = dict(hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
+                 num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, max_positions=max_positions)
+    values = {name: knobs[knob] for knob, names in spec.fields.items() for name in names}
+    tie = spec.ties_embeddings if tie_word_embeddings is None else tie_word_embeddings
+    return spec.config_class(
+        vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        tie_word_embeddings=tie, **values, **spec.fixed,
+    )
 
 
 def build_tiny_model(
-    family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **config_kwargs: int
+    family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **config_kwargs: Any
 ) -> PreTrainedModel:
     """A randomly initialised tiny causal LM of `family` sized to `tokenizer`'s vocabulary."""
     config = tiny_config(
@@ -136,7 +160,7 @@ def build_tiny_model(
 
 def save_tiny_model(
     directory: str | Path, family: str = "llama", seed: int = 0, add_bos: bool = True,
-    **config_kwargs: int,
+    **config_kwargs: Any,
 ) -> Path:
     """Build a tiny model + tokenizer and save both in Hugging Face format to `directory`."""
     directory = Path(directory)

@@ -4,13 +4,19 @@ The same module is the reward model (its score is the value at the last real tok
 sequence, as InstructGPT and DeepSpeed-Chat's `RewardModel`) and the PPO critic (its per-token
 values).
 
-On disk it is a Hugging Face folder:
-    config.json        the backbone's config plus "rlhf_model_type": "value" and
-                       "rlhf_value_head_shape": [1, hidden]
+On disk it is a Hugging Face sequence-classification folder with one label, so other tools load
+a reward model with `AutoModelForSequenceClassification.from_pretrained(folder)`:
+    config.json        the backbone's config with "architectures": ["<Family>ForSequenceClassification"],
+                       "num_labels": 1 (id2label of one entry), plus "rlhf_model_type": "value"
+                       and "rlhf_value_head_shape": [1, hidden]
     model.safetensors  backbone tensors under the causal-LM names (`model.layers.0...`,
-                       `transformer.h.0...`) plus `value_head.weight` and `value_head.bias`
-Because the backbone keeps its causal-LM names, `AutoModel.from_pretrained(folder)` also reads
-the backbone (the head is reported as unexpected), like any other HF checkpoint.
+                       `transformer.h.0...`) and the head as `score.weight`; `score.bias` only
+                       when the head's bias is not zero (a critic's; Hugging Face's classifiers
+                       have no bias and ignore it; a reward model's bias stays 0, so its scores
+                       are the same in transformers)
+Loading accepts that format, any `AutoModelForSequenceClassification` folder with num_labels 1
+(e.g. a reward model trained elsewhere: its `score` head is kept), and the older layout with
+`value_head.weight` / `value_head.bias`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
+# Re-exported: `rlhf.models.position_ids_from_mask` and `value_model.last_token_index` are the engine's.
+from rlhf.engine.positions import last_token_index, position_ids_from_mask
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
@@ -38,32 +46,16 @@ MODEL_TYPE_KEY = "rlhf_model_type"
 HEAD_SHAPE_KEY = "rlhf_value_head_shape"
 VALUE_MODEL_TYPE = "value"
 HEAD_PREFIX = "value_head."
+"""Prefix of the head in the module's own state dict (and in folders written before the
+sequence-classification layout)."""
+SCORE_PREFIX = "score."
+"""Prefix of the head on disk: Hugging Face's *ForSequenceClassification name."""
 WEIGHTS_NAME = "model.safetensors"
 
 
 def backbone_output_size(config: PretrainedConfig) -> int:
     """Width of the backbone's last hidden state: OPT projects it to `word_embed_proj_dim`."""
     return int(getattr(config, "word_embed_proj_dim", None) or config.hidden_size)
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions counted over real tokens only, so left padding does not shift them.
-
-    Padding positions get 0 (any valid index works: they are masked out of attention). The
-    same convention as Hugging Face generation's `prepare_inputs_for_generation`, so values of
-    a left-padded rollout match those of the same sequence without padding.
-    """
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 0)
-
-
-def last_token_index(attention_mask: Tensor) -> Tensor:
-    """Index [B] of the last position with attention_mask 1, whatever the padding side.
-
-    Read from the mask, never from pad ids: a leading BOS may share the pad id (GPT-2 style).
-    """
-    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
-    return torch.where(attention_mask.bool(), positions, -1).amax(dim=-1)
 
 
 @contextlib.contextmanager
@@ -84,8 +76,14 @@ def _quiet_load_report() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-def _load_backbone(path: Path, dtype: torch.dtype | None, ignorable: tuple[str, ...]) -> PreTrainedModel:
-    """AutoModel.from_pretrained that fails on missing weights and logs what it skipped."""
+def _load_backbone(
+    path: Path, dtype: torch.dtype | None, ignorable: tuple[str, ...], read_elsewhere: tuple[str, ...] = ()
+) -> PreTrainedModel:
+    """AutoModel.from_pretrained that fails on missing weights and logs what it skipped.
+
+    Tensors under `ignorable` are expected and dropped (logged at info); tensors under
+    `read_elsewhere` (the value head, which the caller reads itself) are not reported at all.
+    """
     if not (path / "config.json").is_file():
         raise UserError(f"{path}: not a Hugging Face model folder (no config.json); pass the folder of a saved model")
     try:
@@ -97,7 +95,7 @@ def _load_backbone(path: Path, dtype: torch.dtype | None, ignorable: tuple[str, 
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise UserError(f"{path}: {len(missing)} backbone weight(s) missing from the checkpoint: {shown}")
-    skipped = sorted(info["unexpected_keys"])
+    skipped = sorted(k for k in info["unexpected_keys"] if not (read_elsewhere and k.startswith(read_elsewhere)))
     unusual = [k for k in skipped if not k.startswith(ignorable)]
     if skipped:
         logger.info("%s: %d checkpoint tensor(s) not part of the backbone left unused (%s)",
@@ -119,11 +117,13 @@ class ValueModel(nn.Module):
     critic aligned with the log-probs of response tokens reads values[:, start - 1 : -1].
     """
 
-    def __init__(self, backbone: PreTrainedModel, head_init_std: float = 0.0) -> None:
-        """Wrap `backbone`; the head starts at zero weights (or N(0, head_init_std)) and zero bias.
+    def __init__(self, backbone: PreTrainedModel, head_init_std: float | None = 0.0) -> None:
+        """Wrap `backbone`; the head starts at N(0, head_init_std) weights (zero for 0) and zero bias.
 
-        A zero head makes every initial value/score 0, so the first PPO steps are not driven by
-        a random critic and a reward model starts without preference.
+        A zero head makes every initial value 0, so the first PPO steps are not driven by a random
+        critic; but it also gives the backbone no gradient until the head has moved, which a reward
+        model on a real backbone does not recover from. None: std 1/sqrt(hidden + 1) (OpenRLHF /
+        TRL classifier heads), what the reward stage uses by default.
         """
         super().__init__()
         self.backbone = backbone
@@ -131,6 +131,8 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(
             backbone_output_size(backbone.config), 1, dtype=param.dtype, device=param.device
         )
+        if head_init_std is None:
+            head_init_std = (self.value_head.in_features + 1) ** -0.5
         with torch.no_grad():
             if head_init_std > 0:
                 self.value_head.weight.normal_(0.0, head_init_std)
@@ -145,7 +147,7 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_causal_lm_dir(
-        cls, path: str | Path, dtype: torch.dtype | None = None, head_init_std: float = 0.0
+        cls, path: str | Path, dtype: torch.dtype | None = None, head_init_std: float | None = 0.0
     ) -> ValueModel:
         """Backbone weights from any HF causal-LM folder (an SFT output, a base model); new head.
 
@@ -177,9 +179,7 @@ class ValueModel(nn.Module):
     def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Sequence scores [B]: the value at each row's last token with attention_mask 1."""
         values = self(input_ids, attention_mask, position_ids)
-        index = last_token_index(attention_mask)
-        if bool((index < 0).any()):
-            raise ValueError("score() got a row whose attention_mask is all zeros")
+        index = last_token_index(attention_mask)  # raises ValueError on an all-zero row
         return values.gather(1, index.unsqueeze(1)).squeeze(1)
 
     def save_pretrained(
@@ -198,92 +198,133 @@ class ValueModel(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = self.state_dict() if state_dict is None else state_dict
-        prefix = self.backbone.base_model_prefix
-        tensors: dict[str, Tensor] = {}
-        seen: set[int] = set()
-        for key, tensor in state.items():
-            if isinstance(tensor, DTensor) or not isinstance(tensor, Tensor):
-                raise TypeError(f"save_pretrained needs full tensors; {key!r} is a {type(tensor).__name__} "
-                                "(pass a consolidated state_dict)")
-            if key.startswith("backbone."):
-                name = f"{prefix}.{key.removeprefix('backbone.')}"
-            elif key.startswith(HEAD_PREFIX):
-                name = key
-            else:
-                raise KeyError(f"unexpected key {key!r} in the value model's state dict")
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:  # safetensors refuses shared storage (tied weights)
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            tensors[name] = tensor
-        head = tensors[HEAD_PREFIX + "weight"]
-
+        tensors = _disk_tensors(state, self.backbone.base_model_prefix)
         config = copy.deepcopy(self.backbone.config)
-        config.architectures = [type(self.backbone).__name__]
+        config.architectures = [sequence_classification_class(config) or type(self.backbone).__name__]
+        config.num_labels = 1
         config.dtype = next(iter(tensors.values())).dtype
         setattr(config, MODEL_TYPE_KEY, VALUE_MODEL_TYPE)
-        setattr(config, HEAD_SHAPE_KEY, list(head.shape))
+        setattr(config, HEAD_SHAPE_KEY, list(tensors[SCORE_PREFIX + "weight"].shape))
         config.save_pretrained(directory)
         save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": "pt"})
         return directory
 
 
+def sequence_classification_class(config: PretrainedConfig) -> str | None:
+    """The family's Hugging Face *ForSequenceClassification class name, if it has one."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+
+
+def _disk_tensors(state: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The module's state dict under the on-disk names (see the module docstring), on CPU."""
+    tensors: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        if isinstance(tensor, DTensor) or not isinstance(tensor, Tensor):
+            raise TypeError(f"save_pretrained needs full tensors; {key!r} is a {type(tensor).__name__} "
+                            "(pass a consolidated state_dict)")
+        if key.startswith("backbone."):
+            name = f"{prefix}.{key.removeprefix('backbone.')}"
+        elif key.startswith(HEAD_PREFIX):
+            name = SCORE_PREFIX + key.removeprefix(HEAD_PREFIX)
+        else:
+            raise KeyError(f"unexpected key {key!r} in the value model's state dict")
+        tensor = tensor.detach().to("cpu").contiguous()
+        if name == SCORE_PREFIX + "bias" and not bool(tensor.any()):
+            continue  # a zero bias is what a bias-free Hugging Face classifier computes
+        if tensor.data_ptr() in seen:  # safetensors refuses shared storage (tied weights)
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    return tensors
+
+
 def _read_head(path: Path) -> dict[str, Tensor]:
-    """The value head tensors of a saved value model (single file or a sharded index)."""
+    """The head tensors ("weight", maybe "bias") of a saved value model, under either prefix."""
     index_file = path / f"{WEIGHTS_NAME}.index.json"
     if index_file.is_file():
         weight_map = json.loads(index_file.read_text())["weight_map"]
-        files = {weight_map.get(HEAD_PREFIX + "weight"), weight_map.get(HEAD_PREFIX + "bias")}
+        files = {f for k, f in weight_map.items() if k.startswith((HEAD_PREFIX, SCORE_PREFIX))}
     else:
         files = {WEIGHTS_NAME}
     head: dict[str, Tensor] = {}
     for name in files:
-        if name is None or not (path / name).is_file():
+        if not (path / name).is_file():
             continue
         with safe_open(str(path / name), framework="pt") as handle:
             for key in handle.keys():
-                if key.startswith(HEAD_PREFIX):
-                    head[key.removeprefix(HEAD_PREFIX)] = handle.get_tensor(key)
+                for prefix in (HEAD_PREFIX, SCORE_PREFIX):
+                    if key.startswith(prefix):
+                        head[key.removeprefix(prefix)] = handle.get_tensor(key)
     return head
 
 
-def load_value_model(path: str | Path, dtype: torch.dtype | None = None) -> ValueModel:
-    """Load a folder written by `ValueModel.save_pretrained` (a reward model or a critic).
+def value_model_kind(path: str | Path) -> str | None:
+    """"value" (written by this project), "classifier" (a Hugging Face sequence classifier),
+    "causal_lm" (any other model folder) or None (no config.json). Reads config.json only."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get(MODEL_TYPE_KEY) == VALUE_MODEL_TYPE:
+        return "value"
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return "classifier"
+    return "causal_lm"
 
-    `dtype` None keeps the saved dtype. Raises UserError if the folder is not a value model.
+
+def _num_labels(config: dict) -> int:
+    return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+
+
+def check_reward_model_dir(path: str | Path, flag: str = "--reward") -> None:
+    """Fail before anything is loaded unless `path` is a value model or a one-label classifier."""
+    kind = value_model_kind(path)
+    if kind is None:
+        raise UserError(f"{flag} {path}: no config.json; pass the reward stage's <output>/model or a Hugging "
+                        "Face sequence-classification folder")
+    if kind == "causal_lm":
+        raise UserError(f"{flag} {path}: a causal LM, not a value/reward model; pass the reward stage's "
+                        f"<output>/model (train one with `rlhf reward --model {path} ...`) or a Hugging Face "
+                        "*ForSequenceClassification folder with num_labels 1")
+    config = json.loads((Path(path) / "config.json").read_text())
+    if kind == "classifier" and _num_labels(config) != 1:
+        raise UserError(f"{flag} {path}: a sequence classifier with {_num_labels(config)} labels; a reward model "
+                        "has num_labels 1 (one score per sequence)")
+
+
+def load_value_model(path: str | Path, dtype: torch.dtype | None = None, flag: str = "--reward") -> ValueModel:
+    """Load a value model: one written by `ValueModel.save_pretrained` (a reward model or a critic)
+    or a Hugging Face sequence classifier with one label (its `score` head becomes the value head).
+
+    `dtype` None keeps the saved dtype. Raises UserError if the folder is neither.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{path}: not a model folder (no config.json); pass the output model/ of `rlhf reward`")
-    config = json.loads(config_file.read_text())
-    if config.get(MODEL_TYPE_KEY) != VALUE_MODEL_TYPE:
-        raise UserError(
-            f"{config_file}: not a value/reward model (no \"{MODEL_TYPE_KEY}\": \"{VALUE_MODEL_TYPE}\"); "
-            "pass a folder written by the reward stage, or start from a causal LM with ValueModel.from_causal_lm_dir"
-        )
-    backbone = _load_backbone(path, dtype, ignorable=(HEAD_PREFIX,))
+    check_reward_model_dir(path, flag)
+    config = json.loads((path / "config.json").read_text())
+    backbone = _load_backbone(path, dtype, ignorable=(), read_elsewhere=(HEAD_PREFIX, SCORE_PREFIX))
     model = ValueModel(backbone)
     head = _read_head(path)
     expected = tuple(config.get(HEAD_SHAPE_KEY) or model.value_head.weight.shape)
-    if set(head) != {"weight", "bias"} or tuple(head["weight"].shape) != expected:
-        raise UserError(f"{path}: value head missing or of the wrong shape (expected {HEAD_PREFIX}weight {list(expected)})")
-    head = {k: v.to(model.value_head.weight.dtype) for k, v in head.items()}
-    model.value_head.load_state_dict(head)
+    if "weight" not in head or tuple(head["weight"].shape) != expected or set(head) - {"weight", "bias"}:
+        raise UserError(f"{path}: value head missing or of the wrong shape (expected {SCORE_PREFIX}weight {list(expected)})")
+    head.setdefault("bias", torch.zeros(1))
+    model.value_head.load_state_dict({k: v.to(model.value_head.weight.dtype) for k, v in head.items()})
     return model
 
 
 def is_value_model_dir(path: str | Path) -> bool:
-    """True when `path` holds a model saved by `ValueModel.save_pretrained`."""
-    config_file = Path(path) / "config.json"
-    return config_file.is_file() and json.loads(config_file.read_text()).get(MODEL_TYPE_KEY) == VALUE_MODEL_TYPE
+    """True when `path` holds a value model: ours, or a Hugging Face sequence classifier."""
+    return value_model_kind(path) in ("value", "classifier")
 
 
-def value_model_from(path: str | Path, head_init_std: float = 0.0, flag: str = "--model") -> ValueModel:
+def value_model_from(path: str | Path, head_init_std: float | None = 0.0, flag: str = "--model") -> ValueModel:
     """A value/reward model folder as it is (head included), or a causal LM folder with a new head."""
     if not (Path(path) / "config.json").is_file():
         raise UserError(f"{flag} {path}: no config.json; pass a Hugging Face model folder (e.g. runs/sft/model)")
     if is_value_model_dir(path):
         logger.info("%s %s is a value model: continuing from its head", flag, path)
-        return load_value_model(path, dtype=torch.float32)
+        return load_value_model(path, dtype=torch.float32, flag=flag)
     return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)

@@ -22,12 +22,14 @@ from rlhf.data.tasks.base import (
     user_request,
     write_task_dataset,
 )
+from rlhf.data.tasks.arithmetic import ArithmeticWordsTask
 from rlhf.data.tasks.sort import SortTask
 from rlhf.errors import UserError
 
 # name -> factory of the task with its default settings.
 TASKS: dict[str, Callable[[], Task]] = {
     "sort": SortTask,
+    "arithmetic_words": ArithmeticWordsTask,
 }
 
 
@@ -39,7 +41,7 @@ def get_task(name: str) -> Task:
 
 
 __all__ = [
-    "DATASET_FILES", "TASKS", "SortTask", "Task", "build_preference_rows", "build_prompt_rows",
+    "ArithmeticWordsTask", "DATASET_FILES", "TASKS", "SortTask", "Task", "build_preference_rows", "build_prompt_rows",
     "build_sft_rows", "get_task", "sample_unique_prompts", "success_rate", "user_request",
     "write_task_dataset",
 ]

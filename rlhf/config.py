@@ -14,23 +14,20 @@ error line "<source>: <value> must be <rule>"; rules between fields are each dat
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import json
 import math
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
 
-from rlhf.engine.config import FINITE, EngineConfig, FieldRule, ZeroStage, bounded, checked
+from rlhf.config_fields import (  # re-exported: the stage configs' machinery
+    FieldInfo, coerce, field_docs, fields_by_name, leaf_fields, parse_value, set_field, strip_optional,
+)
+from rlhf.engine.config import EngineConfig, ZeroStage, bounded, checked
 from rlhf.errors import UserError
 
 if TYPE_CHECKING:
@@ -301,164 +298,6 @@ class E2EConfig:
 
 
 SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")
-
-
-# ---------------------------------------------------------------- introspection
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings (the string literal after each field) of a dataclass and its bases."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-@dataclass(frozen=True)
-class FieldInfo:
-    """One leaf field of a config: its section path, name, type, docstring, default and rule."""
-
-    section: str | None
-    name: str
-    type: Any
-    doc: str
-    default: Any
-    rule: FieldRule | None = None
-    """The field's own constraint (from `bounded` / `checked`); a float field without one must be finite."""
-
-    @property
-    def base_type(self) -> Any:
-        """The type without `| None`: what a flag parses."""
-        return strip_optional(self.type)[0]
-
-    @property
-    def flag(self) -> str:
-        """The command-line flag: `micro_batch_size` -> `--micro-batch-size`."""
-        return "--" + self.name.replace("_", "-")
-
-
-def _resolved_hints(cls: type) -> dict[str, Any]:
-    module = inspect.getmodule(cls)
-    return typing.get_type_hints(cls, globalns=vars(module) if module else None)
-
-
-def _field_info(section: str | None, f: dataclasses.Field, hints: dict[str, Any], docs: dict[str, str]) -> FieldInfo:
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return FieldInfo(section, f.name, hints[f.name], docs.get(f.name, ""), default, f.metadata.get("rule"))
-
-
-def leaf_fields(cls: type) -> list[FieldInfo]:
-    """All leaf fields of a stage config, sections flattened (names are unique across sections)."""
-    hints = _resolved_hints(cls)
-    out: list[FieldInfo] = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            sub_hints, sub_docs = _resolved_hints(tp), field_docs(tp)
-            out += [_field_info(f.name, sf, sub_hints, sub_docs) for sf in dataclasses.fields(tp)]
-        else:
-            out.append(_field_info(None, f, hints, field_docs(cls)))
-    names = [fi.name for fi in out]
-    duplicates = {n for n in names if names.count(n) > 1}
-    assert not duplicates, f"config field names must be unique across sections: {duplicates}"
-    return out
-
-
-@cache
-def fields_by_name(cls: type) -> dict[str, FieldInfo]:
-    """`leaf_fields(cls)` by name: the key a file, a flag or a ds_config sets."""
-    return {fi.name: fi for fi in leaf_fields(cls)}
-
-
-# ---------------------------------------------------------------- values
-
-
-def strip_optional(tp: Any) -> tuple[Any, bool]:
-    """(T, True) for `T | None`, else (tp, False)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _literal(value: Any, choices: tuple[Any, ...], where: str) -> Any:
-    """The choice equal to `value` or to its text (CLI "3" -> 3); a bool never matches a number."""
-    for choice in choices:
-        if (type(value) is type(choice) and value == choice) or (isinstance(value, str) and value == str(choice)):
-            return choice
-    raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
-
-
-def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert a value from YAML/JSON/CLI text to the field type, or raise a UserError naming `where`."""
-    base, optional = strip_optional(tp)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise UserError(f"{where}: a value is required")
-    origin = typing.get_origin(base)
-    try:
-        if origin is Literal:
-            return _literal(value, typing.get_args(base), where)
-        if origin is list:
-            (item_tp,) = typing.get_args(base)
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return [coerce(v, item_tp, where) for v in items]
-        if base is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes", "on"):
-                return True
-            if str(value).lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(value)
-        if base in (int, float) and isinstance(value, bool):
-            raise ValueError(value)
-        if base is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if base is float:
-            return float(value)
-        if base is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{where}: expected {getattr(base, '__name__', base)}, got {value!r}") from None
-    return value
-
-
-def parse_value(info: FieldInfo, value: Any, where: str) -> Any:
-    """`value` in the field's type and within its rule, or one UserError "<where>: <value> must be <rule>"."""
-    value = coerce(value, info.type, where)
-    rule = info.rule or (FINITE if isinstance(value, float) else None)
-    problem = rule.violation(value) if rule is not None and value is not None else None
-    if problem:
-        shown = repr(value) if isinstance(value, str) else str(value)
-        raise UserError(f"{where}: {shown} must be {problem}")
-    return value
-
-
-def set_field(config: Any, info: FieldInfo, value: Any, where: str) -> None:
-    """Set one leaf field, converted to its type and checked against its rule."""
-    target = getattr(config, info.section) if info.section else config
-    setattr(target, info.name, parse_value(info, value, where))
 
 
 def apply_mapping(config: Any, mapping: Mapping[str, Any], source: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.cli import main
-from tests.conftest import read_metrics, run_cli, write_jsonl
+from tests.conftest import one_and_two_rank_metrics, read_metrics, write_jsonl
 
 LETTER_TASK = """
 from rlhf.data.tasks import TASKS
@@ -86,12 +86,7 @@ def test_two_ranks_zero3_tp2_match_world_size_one(tmp_path, prompts):
     args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
             "--max-new-tokens", "6", "--greedy", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
             "--optimizer-impl", "torch", "--lr", "1e-3", "--ppo-epochs", "2"]
-    one = run_cli([*args, "--output", str(tmp_path / "one"), "--generation-batch-size", "8", "--micro-batch-size", "4"])
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli([*args, "--output", str(tmp_path / "two"), "--generation-batch-size", "4", "--micro-batch-size", "2",
-                   "--inference-tp-size", "2"], nproc=2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    (a,), (b,) = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = one_and_two_rank_metrics(args, tmp_path)
     for key in ("score_mean", "kl", "response_length", "reward_total", "value_loss", "policy_loss", "entropy"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
     assert b["rollout_parity_max_diff"] < 1e-4

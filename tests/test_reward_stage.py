@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -52,20 +51,7 @@ def _train_metrics(output: Path, key: str) -> list[float]:
     return [r[key] for r in rows if "loss" in r]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads
-    # per process made the training test 5x slower (measured 56 s vs 10 s).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The 2-rank run is gloo on CPU; the in-process runs it is compared with must be too.
-    monkeypatch.setenv("RLHF_FORCE_CPU", "1")
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_only")
 
 
 @pytest.fixture(scope="module")

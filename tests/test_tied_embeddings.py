@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.cli import main
 from rlhf.data.tasks import SortTask
 from rlhf.models.tiny import save_tiny_model, tiny_config
-from tests.conftest import read_metrics, run_cli, train_losses, write_jsonl
+from tests.conftest import one_and_two_rank_metrics, read_metrics, train_losses, write_jsonl
 
 FAMILIES = ["llama", "qwen2"]
 FAST = ["--report-to", "none", "--optimizer-impl", "torch", "--dtype", "fp32", "--zero-stage", "3",
@@ -32,18 +31,7 @@ PPO_ARGS = ["--max-new-tokens", "6", "--generation-batch-size", "4", "--micro-ba
             "--ppo-epochs", "1", "--greedy"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads on the shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLHF_FORCE_CPU", "1")
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_only")
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +144,7 @@ def test_two_rank_tp2_rollout_on_a_tied_model_matches_one_rank(family: str, tied
     args = ["ppo", "--actor", str(tied_models[family]), "--critic", str(tied_models[family]), "--reward-fn", "sort",
             "--data", str(data["prompts"]), "--max-steps", "1", "--max-new-tokens", "6", "--greedy", "--lr", "1e-3",
             "--ppo-epochs", "1", *FAST]
-    one = run_cli([*args, "--output", str(tmp_path / "one"), "--generation-batch-size", "8", "--micro-batch-size", "4"])
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli([*args, "--output", str(tmp_path / "two"), "--generation-batch-size", "4", "--micro-batch-size", "2",
-                   "--inference-tp-size", "2"], nproc=2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    (a,), (b,) = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = one_and_two_rank_metrics(args, tmp_path)
     for key in ("score_mean", "kl", "response_length", "policy_loss", "value_loss", "entropy"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
     assert b["rollout_parity_max_diff"] < 1e-4

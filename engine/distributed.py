@@ -148,6 +148,14 @@ class DistributedContext:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's Python object, in rank order, on every rank (pickled: keep it small, on CPU)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def shutdown(self) -> None:
         """Tear the process group down; every rank must call it (it waits for all of them first,
         so that no rank closes gloo's connections while a peer is still receiving)."""

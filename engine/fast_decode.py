@@ -14,7 +14,8 @@ functions over tensors it reads from the HF module (the module and its forward a
 - keys and values go to a preallocated [batch, kv_heads, prompt + max_new_tokens, head_dim]
   buffer per layer; a step attends to the filled prefix with `scaled_dot_product_attention`
   under the padding mask. A decode step packs the query heads of each KV group into the query
-  axis (GQA without repeating keys, as transformers' own `pack_gqa` does);
+  axis (GQA without repeating keys, as transformers' own `pack_gqa` does); for group sampling
+  `expand` copies each prefilled prompt's rows of the cache to its samples' rows;
 - the final norm and lm_head run only on the last position.
 
 Numerics follow the HF modules op for op (RMSNorm upcasts to float32 and casts back before the
@@ -244,10 +245,34 @@ class FastLlamaDecoder:
         self.max_len = max_len
         self._kernel_step = self._build_kernel_step(cpu_kernel, kernel_isa) if cpu_kernel is not False else None
         self.kernel_isa: str | None = None if self._kernel_step is None else self._kernel_step.isa
-        self.uses_attention_kernel = attention_kernel is True or (
-            attention_kernel == "auto"
-            and decode_attention_kernel_unsupported_reason(device, dtype, self.head_dim, batch) is None
+        self._attention_kernel = attention_kernel
+        self.uses_attention_kernel = self._wants_attention_kernel(batch)
+
+    def _wants_attention_kernel(self, batch: int) -> bool:
+        """Whether decode steps over `batch` rows go through `kernels.decode_attention`."""
+        choice = self._attention_kernel
+        return choice is True or (
+            choice == "auto" and decode_attention_kernel_unsupported_reason(
+                self.embed.device, self.embed.dtype, self.head_dim, batch) is None
         )
+
+    def expand(self, index: torch.Tensor) -> None:
+        """Rows `index` of the cache become its rows (group sampling: each prompt prefilled once,
+        its keys and values copied to each of its samples' rows; `index` in repeat_interleave order).
+
+        Only the filled prefix is copied, layer by layer, so the old cache of the unique prompts
+        is released as the new one fills. The fused CPU step holds the cache and the batch size:
+        it is rebuilt over the new buffers (it shares the weights, so that costs no copy).
+        """
+        kernel_isa, self._kernel_step = self.kernel_isa, None  # drop its references to the old cache
+        for cache in (self.keys, self.values):
+            for i, old in enumerate(cache):
+                new = old.new_empty((index.numel(), *old.shape[1:]))
+                new.narrow(2, 0, self.length).copy_(old.narrow(2, 0, self.length).index_select(0, index))
+                cache[i] = new
+        if kernel_isa is not None:
+            self._kernel_step = self._build_kernel_step(True, kernel_isa)
+        self.uses_attention_kernel = self._wants_attention_kernel(index.numel())
 
     def _build_kernel_step(self, cpu_kernel: bool | Literal["auto"], isa: str) -> Any:
         """The fused CPU decode step over this decoder's weights, tables and cache, or None."""

@@ -26,6 +26,10 @@ weights, which skips the Python overhead of the HF forward; anything it does not
 the fused sampling kernel (`sample_next_token`), and the fast decoder's decode-step attention
 through the flash-decoding kernel (engine/kernels.py); both match the torch path, and
 `kernels.generation_kernels(False)` runs the torch path only.
+
+Group sampling (`samples_per_prompt=N`, as GRPO-style estimators need) prefills the B unique
+prompts once, then `StepRunner.expand` copies each prompt's KV cache rows to its N samples'
+rows and decoding runs over all B * N rows: the prompt costs one prefill, not N.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["GenerationOutput", "SamplingParams", "generate", "prefill", "decode_step", "select_runner"]
+__all__ = ["GenerationOutput", "SamplingParams", "generate", "group_index", "prefill", "decode_step", "select_runner"]
 
 
 @dataclass
@@ -121,6 +125,10 @@ class StepRunner(Protocol):
         """One token per sequence [B, 1]; `attention_mask` [B, cached + 1] -> [B, V] next logits."""
         ...
 
+    def expand(self, index: torch.Tensor) -> None:
+        """After prefill: rows `index` ([B'] int64) of the cache become its B' rows (group sampling)."""
+        ...
+
 
 class HFForwardRunner:
     """The reference path: the model's own forward over a `RolloutKVCache`."""
@@ -136,6 +144,11 @@ class HFForwardRunner:
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return decode_step(self.model, tokens, attention_mask, position_ids, self.cache)
+
+    def expand(self, index: torch.Tensor) -> None:
+        # Under tensor parallelism the cache holds this rank's heads as plain local tensors with
+        # the full batch, so selecting rows along dim 0 is the same on every rank.
+        self.cache.batch_select_indices(index)
 
 
 _logged_fallbacks: set[str] = set()
@@ -175,6 +188,48 @@ def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Non
         )
 
 
+_COUNT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def group_index(samples_per_prompt: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor | None:
+    """The unique prompt behind each output row ([B'] int64, torch.repeat_interleave order), or
+    None when every prompt is sampled once (then generate() copies nothing).
+
+    `samples_per_prompt` is one count for every prompt or a [B] integer tensor of counts >= 1.
+    """
+    if isinstance(samples_per_prompt, torch.Tensor):
+        counts = samples_per_prompt
+        if counts.shape != (batch,) or counts.dtype not in _COUNT_DTYPES:
+            raise ValueError(
+                f"generate(samples_per_prompt=...) as a tensor must hold one integer count per prompt "
+                f"(shape [{batch}]), got {counts.dtype} of shape {tuple(counts.shape)}"
+            )
+        counts = counts.to(device=device, dtype=torch.long)
+        # One host sync per rollout: the output's row count depends on the counts anyway.
+        low, high, total = torch.stack([counts.min(), counts.max(), counts.sum()]).tolist() if batch else (1, 1, 0)
+        if low < 1:
+            raise ValueError(f"generate(samples_per_prompt=...) counts must be >= 1, got a count of {low}")
+        if high == 1:
+            return None
+        return torch.arange(batch, device=device).repeat_interleave(counts, output_size=total)
+    if isinstance(samples_per_prompt, bool) or not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+        raise ValueError(
+            f"generate(samples_per_prompt=...) must be an int >= 1 or a tensor of counts, got {samples_per_prompt!r}"
+        )
+    if samples_per_prompt == 1:
+        return None
+    return torch.arange(batch, device=device).repeat_interleave(samples_per_prompt)
+
+
+def _warn_past_max_positions(model: nn.Module, prompt_len: int, max_new: int) -> None:
+    max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_positions is not None and prompt_len + max_new > max_positions:
+        log.warning(
+            "prompt width %d + max_new_tokens %d exceeds the model's max_position_embeddings %d",
+            prompt_len, max_new, max_positions,
+        )
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -183,6 +238,7 @@ def generate(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     fast: bool | Literal["auto"] = "auto",
+    samples_per_prompt: int | torch.Tensor = 1,
 ) -> GenerationOutput:
     """Generate up to `params.max_new_tokens` tokens after each left-padded prompt.
 
@@ -190,19 +246,39 @@ def generate(
     it must be seeded identically on every rank of the group. `fast` picks the forward passes
     (see `select_runner`): "auto" uses the fast decoder where it supports the model, False
     always the model's own forward (the reference), True insists on the fast decoder.
+
+    `samples_per_prompt` (group sampling) samples row i of the unique prompts that many times
+    (an int, or a [B] tensor of counts >= 1): the output has sum(counts) rows, row i's samples
+    contiguous (torch.repeat_interleave order). Each prompt is prefilled once and its KV cache
+    and first-token logits are copied to its samples' rows, so only decoding runs per sample.
     """
     _check_prompts(input_ids, attention_mask)
+    index = group_index(samples_per_prompt, input_ids.shape[0], input_ids.device)
     if model.training:
         log.warning("generate() called on a model in training mode: dropout makes rollouts noisy")
+    prompt_len = input_ids.shape[1]
+    _warn_past_max_positions(model, prompt_len, params.max_new_tokens)
+    # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
+    prompt_positions = position_ids_from_mask(attention_mask)
+    runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast)
+    logits = runner.prefill(input_ids, attention_mask, prompt_positions)
+    if index is not None:
+        # Group sampling: each unique prompt's cache rows and last logits become its samples' rows.
+        runner.expand(index)
+        logits, input_ids, attention_mask, prompt_positions = (
+            t.index_select(0, index) for t in (logits, input_ids, attention_mask, prompt_positions)
+        )
+    return _decode(runner, logits, input_ids, attention_mask, prompt_positions, params, generator)
+
+
+def _decode(
+    runner: StepRunner, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    prompt_positions: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+) -> GenerationOutput:
+    """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows."""
     batch, prompt_len = input_ids.shape
     max_new = params.max_new_tokens
     total_len = prompt_len + max_new
-    max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if max_positions is not None and total_len > max_positions:
-        log.warning(
-            "prompt width %d + max_new_tokens %d exceeds the model's max_position_embeddings %d",
-            prompt_len, max_new, max_positions,
-        )
     device = input_ids.device
 
     # Everything the loop writes is allocated here, once.
@@ -213,14 +289,10 @@ def generate(
     # row attends to no longer matters, its tokens are forced to pad).
     model_mask = torch.ones((batch, total_len), dtype=attention_mask.dtype, device=device)
     model_mask[:, :prompt_len] = attention_mask
-    # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
-    prompt_positions = position_ids_from_mask(attention_mask)
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
     eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-    runner = select_runner(model, batch, total_len, fast)
-    logits = runner.prefill(input_ids, attention_mask, prompt_positions)
     steps_run = max_new
     for step in range(max_new):
         col = prompt_len + step

@@ -13,6 +13,10 @@ whole buffer instead.
 
 Sliding-window and chunked layers (Mistral/Qwen2 configs that enable them) use transformers'
 own `StaticSlidingWindowLayer`, whose mask sizes the model's mask functions already know.
+
+Group sampling (several samples per prompt) prefills the unique prompts into a cache of that
+many rows, then `batch_select_indices` copies each prompt's rows to its samples' rows, so the
+prompt is never run N times.
 """
 
 from __future__ import annotations
@@ -65,11 +69,27 @@ class PrefixStaticLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Rows `indices` of the cache become its rows (group sampling: one prefill per prompt,
+        its keys and values copied to each sample's row). Only the filled prefix is copied into
+        a new buffer for len(indices) rows; the old one is released when this returns."""
+        if not self.is_initialized:
+            return
+        self.keys, self.values = (_select_prefix(t, indices, self.length) for t in (self.keys, self.values))
+
     def reset(self) -> None:
         self.length = 0
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()
+
+
+def _select_prefix(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    """A [len(indices), heads, max_len, dim] buffer holding rows `indices` of `buffer`'s first
+    `length` positions; the rest is left uninitialised (nothing reads past the filled prefix)."""
+    out = buffer.new_empty((indices.numel(), *buffer.shape[1:]))
+    out.narrow(2, 0, length).copy_(buffer.narrow(2, 0, length).index_select(0, indices))
+    return out
 
 
 class RolloutKVCache(Cache):
@@ -90,6 +110,17 @@ class RolloutKVCache(Cache):
                 )
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` of every layer, in that order (group sampling expands each prompt's
+        prefilled row to its samples' rows with repeat_interleave indices). Full-attention layers
+        copy their filled prefix only; windowed layers (transformers' own) copy their window."""
+        for layer in self.layers:
+            if isinstance(layer, PrefixStaticLayer):
+                layer.batch_select_indices(indices)
+            elif layer.is_initialized:
+                layer.keys, layer.values = layer.keys.index_select(0, indices), layer.values.index_select(0, indices)
+                layer.batch_size = indices.numel()  # transformers' static layers record it at allocation
 
     def bytes_allocated(self) -> int:
         """Bytes held by the keys and values allocated so far (0 before the first forward)."""

@@ -165,8 +165,11 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
-        out = generate(self.model, input_ids, attention_mask, params, generator)
+                 generator: torch.Generator | None = None,
+                 samples_per_prompt: int | torch.Tensor = 1) -> GenerationOutput:
+        """`engine.generation.generate` on the rollout model; `samples_per_prompt` as there (group
+        sampling: one prefill per unique prompt, sum(counts) output rows)."""
+        out = generate(self.model, input_ids, attention_mask, params, generator, samples_per_prompt=samples_per_prompt)
         log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
         if self.parity_max_diff is None:
             self.check_parity(out)

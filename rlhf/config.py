@@ -142,6 +142,12 @@ class RewardConfig(StageConfig):
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+LossAggregation = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLPlacement = Literal["auto", "reward", "loss"]
+ImportanceRatio = Literal["token", "sequence"]
+# Estimators that compare a prompt's samples with each other: they need --samples-per-prompt >= 2.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclass
@@ -160,8 +166,32 @@ class PPOConfig(RunConfig):
     """The critic's starting point: a value model or causal LM folder; defaults to --reward (DeepSpeed-Chat)."""
     ref: str | None = None
     """The frozen reference policy for the KL penalty; defaults to --actor."""
-    reward_fn: str | None = None
-    """Use a built-in task's ground-truth checker as the reward instead of a reward model (verifiable rewards)."""
+    reward_fn: list[str] = field(default_factory=list)
+    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or package.module:function; per sample f(prompt, response, **row_fields) -> float or TRL-style f(prompts, completions, **columns) -> list[float]."""
+    reward_weights: list[float] = field(default_factory=list)
+    """Weights of the reward sources, comma-separated: the --reward model first (when given), then each --reward-fn in order; default all 1."""
+    advantage_estimator: AdvantageEstimator = "gae"
+    """gae: PPO with a critic (Schulman et al. 2016/2017); grpo: group-normalised scores (Shao et al. 2024, DeepSeekMath); dr_grpo: group mean only, constant-normalised loss (Liu et al. 2025, "Understanding R1-Zero-Like Training"); rloo: leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics"); reinforce_pp: REINFORCE++ with globally whitened returns (Hu 2025); reinforce_pp_baseline: REINFORCE++ with a group-mean baseline. All but gae train no critic."""
+    samples_per_prompt: int = bounded(1, ge=1)
+    """Responses sampled per prompt (a group; its prompt is prefilled once); >= 2 for grpo, dr_grpo, rloo, reinforce_pp_baseline."""
+    loss_aggregation: LossAggregation = "auto"
+    """How per-token losses become one: token-mean (PPO, DAPO), seq-mean-token-mean (GRPO paper, GSPO), seq-mean-token-sum-norm (Dr. GRPO: token sums / max_new_tokens); auto: seq-mean-token-sum-norm for dr_grpo, seq-mean-token-mean with --importance-ratio sequence, else token-mean."""
+    clip_range_low: float | None = bounded(None, gt=0, lt=1)
+    """Lower policy-ratio clip (ratio >= 1 - low); defaults to --clip-range."""
+    clip_range_high: float | None = bounded(None, gt=0)
+    """Upper policy-ratio clip (ratio <= 1 + high); defaults to --clip-range; DAPO's clip-higher uses 0.28 with low 0.2."""
+    importance_ratio: ImportanceRatio = "token"
+    """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio (Zheng et al. 2025; use clip ranges ~3e-4/4e-4)."""
+    kl_placement: KLPlacement = "auto"
+    """Where the KL to the reference goes: reward (per-token penalty, InstructGPT, REINFORCE++, RLOO) or loss (a --kl-estimator term weighted by --kl-coef, GRPO); auto: loss for grpo and dr_grpo, else reward."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards all tie (no learning signal) and refill from more prompts, up to --dynamic-sampling-rounds generation rounds."""
+    dynamic_sampling_rounds: int = bounded(4, ge=1)
+    """Most generation rounds per iteration with --dynamic-sampling (tied groups fill what is still missing after them)."""
+    overlong_buffer: int = bounded(0, ge=0)
+    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to --overlong-penalty linearly (0: off)."""
+    overlong_penalty: float = bounded(1.0, ge=0)
+    """The overlong penalty at max_new_tokens (DAPO: 1.0)."""
     actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
     critic_zero_stage: ZeroStage | None = None
@@ -196,8 +226,8 @@ class PPOConfig(RunConfig):
     """Keep the frozen reward model's shards on CPU."""
     kl_coef: float = bounded(0.05, ge=0)
     """Initial KL penalty coefficient beta (TRL 0.05; InstructGPT 0.02; DeepSpeed-Chat 0.1)."""
-    kl_estimator: KLEstimator = "k1"
-    """Per-token KL estimate in the reward: k1 = log p - log q (InstructGPT), k3 = unbiased, always >= 0 (Schulman)."""
+    kl_estimator: KLEstimator | None = None
+    """Per-token KL estimate: k1 = log p - log q (InstructGPT), k2 = (log p - log q)^2 / 2, k3 = unbiased, always >= 0 (Schulman; GRPO); default k1 in the reward, k3 in the loss."""
     adaptive_kl: bool = False
     """Adapt kl_coef towards kl_target (Ziegler et al. 2019)."""
     kl_target: float = bounded(6.0, gt=0)
@@ -240,9 +270,53 @@ class PPOConfig(RunConfig):
                             f"({self.max_new_tokens})")
         if self.ptx_data and self.ptx_coef <= 0:
             raise UserError(f"{where}: ptx_coef: {self.ptx_coef} must be > 0 with ptx_data (the PTX loss weight)")
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise UserError(f"{where}: samples_per_prompt: {self.samples_per_prompt} must be >= 2 with "
+                            f"advantage_estimator {self.advantage_estimator} (it compares a prompt's samples)")
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise UserError(f"{where}: dynamic_sampling: true needs samples_per_prompt >= 2 (it drops groups whose "
+                            "rewards all tie)")
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise UserError(f"{where}: overlong_buffer: {self.overlong_buffer} must be < max_new_tokens "
+                            f"({self.max_new_tokens})")
+        if self.reward_weights and any(w < 0 for w in self.reward_weights):
+            raise UserError(f"{where}: reward_weights: {self.reward_weights} must be >= 0")
         if self.engine.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
             raise UserError(f"{where}: offload: true must be used with actor_zero_stage and critic_zero_stage "
                             "1, 2 or 3 (zero_stage 0 shards nothing to offload)")
+
+    @property
+    def critic_free(self) -> bool:
+        """Every estimator but GAE: no critic is loaded, trained or saved."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The KL to the reference is a loss term (GRPO) rather than a per-token reward penalty."""
+        if self.kl_placement == "auto":
+            return self.advantage_estimator in ("grpo", "dr_grpo")
+        return self.kl_placement == "loss"
+
+    @property
+    def kl_kind(self) -> KLEstimator:
+        """--kl-estimator, or its default for the placement: k3 in the loss, k1 in the reward."""
+        return self.kl_estimator or ("k3" if self.kl_in_loss else "k1")
+
+    @property
+    def loss_aggregation_mode(self) -> str:
+        """--loss-aggregation with `auto` resolved for the estimator and the importance ratio."""
+        if self.loss_aggregation != "auto":
+            return self.loss_aggregation
+        if self.advantage_estimator == "dr_grpo":
+            return "seq-mean-token-sum-norm"
+        return "seq-mean-token-mean" if self.importance_ratio == "sequence" else "token-mean"
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+        low = self.clip_range_low if self.clip_range_low is not None else self.clip_range
+        high = self.clip_range_high if self.clip_range_high is not None else self.clip_range
+        return low, high
 
 
 E2EPreset = Literal["smollm2"]
@@ -271,8 +345,10 @@ class E2EConfig:
     """Your own dataset instead of the task's: shared by the stages through data_split; no task success is measured."""
     data_split: str = checked("2,4,4", SplitShares())
     """Shares of --data for sft,reward,ppo."""
-    reward_fn: str | None = None
-    """PPO rewards from this task's checker instead of the reward model (the reward stage is then skipped)."""
+    reward_fn: list[str] = field(default_factory=list)
+    """RL rewards from these functions (a task name such as sort, file.py:function, module:function) instead of the reward model (the reward stage is then skipped)."""
+    advantage_estimator: AdvantageEstimator = "gae"
+    """The RL stage's estimator (see `rlhf ppo --help`); a critic-free one with the built-in task and no --reward-fn rewards with the task's checker, so the reward stage is skipped."""
     n_sft: int = bounded(16000, ge=1)
     """Task SFT demonstrations (a wrong_fraction share of them wrong)."""
     wrong_fraction: float = bounded(0.35, ge=0, le=1)

@@ -137,6 +137,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if origin is list:
             (item_tp,) = typing.get_args(base)
             items = value.split(",") if isinstance(value, str) else list(value)
+            if item_tp is not str:  # repeated flags may each hold a comma-separated list: --reward-weights 1,0.5
+                items = [part for v in items for part in (v.split(",") if isinstance(v, str) else [v])]
             return [coerce(v, item_tp, where) for v in items]
         if base is bool:
             if isinstance(value, bool):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class UserError(Exception):
     """An error the user caused (bad file, flag, config or data row).
@@ -11,3 +13,9 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+def debug_enabled() -> bool:
+    """RLHF_DEBUG=1 (any value but empty or 0): code that turns a user's own exception (a reward
+    function that raised) into a one-line UserError re-raises the original instead, traceback and all."""
+    return os.environ.get("RLHF_DEBUG", "") not in ("", "0")

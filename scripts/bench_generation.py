@@ -16,12 +16,19 @@ of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
     python scripts/bench_generation.py --kernel off     # fast decoder, Python decode step
     python scripts/bench_generation.py --model runs/smollm2 --batch 8 --new 64   # a real model folder,
                                                         # real chat prompts through its chat template
+    python scripts/bench_generation.py --samples-per-prompt 4 --prompt 256   # group sampling
+
+--samples-per-prompt N (N > 1) times group sampling instead of HF: generate(B unique prompts,
+samples_per_prompt=N), which prefills each prompt once and copies its KV cache to its N samples,
+against generate(the B prompts repeated N times), which prefills every copy; both produce B * N
+sequences of --new tokens through the same runner. --batch is then the number of unique prompts.
 
 Ours runs the fast Llama-family decoder (engine/fast_decode.py) where it supports the model,
 else the model's own forward; --fast picks. On the CPU in float32 its decode steps run the
 fused csrc op (engine/cpu_decode.py) unless --kernel off (which sets RLHF_DISABLE_OPS=1). The last line of output is one JSON object
 (ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf, the per-phase timings, bandwidth figures,
-ours_path and the shape).
+ours_path and the shape); with --samples-per-prompt it holds group_tokens_per_s,
+repeated_tokens_per_s, ratio_group_vs_repeated and each one's prefill and decode-step times.
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
     p.add_argument("--ffn", type=int, help="MLP intermediate size")
     p.add_argument("--vocab", type=int, help="vocabulary size (0: the ~100-id char tokenizer)")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="prompts per generate call (unique prompts with "
+                   "--samples-per-prompt)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     p.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -85,6 +93,11 @@ def parse_args() -> argparse.Namespace:
         help="the fused CPU decode step where it can run (auto) or the fast decoder's Python step (off)",
     )
     p.add_argument("--no-hf", action="store_true", help="time only ours")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=1,
+        help="N > 1: time group sampling (each of --batch prompts prefilled once, sampled N times) against "
+        "the same prompts repeated N times, instead of ours against HF",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -181,12 +194,12 @@ def timed(fns: dict[str, Callable[[], object]], device: torch.device, warmup: in
 
 
 def measure(
-    runs: dict[str, Callable[[int], torch.Tensor]], args: argparse.Namespace, device: torch.device
+    runs: dict[str, Callable[[int], torch.Tensor]], args: argparse.Namespace, device: torch.device, rows: int
 ) -> dict[str, dict[str, float]]:
     """Per run: total time for --new tokens, prefill time (one token) and per-decode-step time."""
     for name, run in runs.items():
         out = run(args.new)
-        if out.shape != (args.batch, args.prompt + args.new):
+        if out.shape != (rows, args.prompt + args.new):
             raise RuntimeError(f"{name}: expected {args.new} new tokens per sequence, got shape {tuple(out.shape)}")
     totals = timed({name: (lambda r=run: r(args.new)) for name, run in runs.items()}, device, args.warmup, args.repeats)
     prefills = timed({name: (lambda r=run: r(1)) for name, run in runs.items()}, device, args.warmup, args.repeats)
@@ -195,13 +208,15 @@ def measure(
         total, prefill = totals[name], prefills[name]
         step = (total - prefill) / max(args.new - 1, 1)
         results[name] = {
-            "total_s": total, "prefill_s": prefill, "step_s": step, "tokens_per_s": args.batch * args.new / total,
+            "total_s": total, "prefill_s": prefill, "step_s": step, "tokens_per_s": rows * args.new / total,
         }
     return results
 
 
 def main() -> None:
     args = parse_args()
+    if args.samples_per_prompt < 1:
+        raise SystemExit(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
     if args.kernel == "off":
         os.environ["RLHF_DISABLE_OPS"] = "1"  # read when an op is first loaded
     device = torch.device(args.device)
@@ -227,12 +242,14 @@ def main() -> None:
         isa = FastLlamaDecoder(model, args.batch, 2).kernel_isa
         path = f"fast+cpu_decode[{isa}]" if isa else "fast"
 
-    def ours(new: int) -> torch.Tensor:
+    def ours(new: int, ids: torch.Tensor = input_ids, mask: torch.Tensor = attention_mask,
+             samples_per_prompt: int = 1) -> torch.Tensor:
         params = SamplingParams(
             max_new_tokens=new, pad_token_id=pad, eos_token_id=None, do_sample=True,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         )
-        return generate(model, input_ids, attention_mask, params, generator=gen, fast=fast).sequences
+        out = generate(model, ids, mask, params, generator=gen, fast=fast, samples_per_prompt=samples_per_prompt)
+        return out.sequences
 
     # No stop id on either side (eos_token_id=None overrides the model's), so both always
     # generate exactly `new` tokens and HF pays for no min-length logits processor.
@@ -244,49 +261,92 @@ def main() -> None:
                 pad_token_id=pad, eos_token_id=None,
             )
 
+    group = args.samples_per_prompt
+    rows = args.batch * group
+    if group > 1:
+        repeated_ids, repeated_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
+        runs: dict[str, Callable[[int], torch.Tensor]] = {
+            "group": lambda new: ours(new, samples_per_prompt=group),
+            "repeated": lambda new: ours(new, repeated_ids, repeated_mask),
+        }
+    else:
+        runs = {"ours": ours} if args.no_hf else {"ours": ours, "hf": hf}
+
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {args.family} {n_params / 1e6:.1f}M params {dtype} on {device}; batch {args.batch}, "
-        f"prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}; ours: {path} path"
+        f"model: {args.family} {n_params / 1e6:.1f}M params {dtype} on {device}; batch {args.batch}"
+        + (f" prompts x {group} samples" if group > 1 else "")
+        + f", prompt {args.prompt}, new {args.new}; threads {torch.get_num_threads()}; ours: {path} path"
         + (f" ({unsupported})" if path == "hf_forward" and unsupported else "")
     )
-    results = measure({"ours": ours} if args.no_hf else {"ours": ours, "hf": hf}, args, device)
-    step_bytes = decode_bytes(model, args.batch, args.prompt, args.new)
+    results = measure(runs, args, device, rows)
+    step_bytes = decode_bytes(model, rows, args.prompt, args.new)
     for name, r in results.items():
         r["decode_gbs"] = step_bytes / (r["step_s"] * max(args.new - 1, 1)) / 1e9 if r["step_s"] > 0 else 0.0
         peak = f" ({100 * r['decode_gbs'] / args.peak_gbs:.1f}% of {args.peak_gbs:g})" if args.peak_gbs else ""
         print(
-            f"{name:>4}: {r['tokens_per_s']:9.1f} tokens/s  total {r['total_s'] * 1e3:8.1f} ms  "
+            f"{name:>8}: {r['tokens_per_s']:9.1f} tokens/s  total {r['total_s'] * 1e3:8.1f} ms  "
             f"prefill {r['prefill_s'] * 1e3:7.1f} ms  decode {r['step_s'] * 1e3:6.2f} ms/step  "
             f"{r['decode_gbs']:7.1f} GB/s{peak}"
         )
+    summary = group_summary(results, group) if group > 1 else hf_summary(results, args)
+    summary.update({
+        "ours_path": path,
+        "preset": args.preset, "model": args.model, "family": args.family, "params": n_params,
+        "vocab": vocab, "batch": args.batch, "samples_per_prompt": group, "sequences": rows,
+        "prompt": args.prompt, "new_tokens": args.new,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+    })
+    print(json.dumps(summary))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def hf_summary(results: dict[str, dict[str, float]], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON figures of ours against HF generate (HF's None under --no-hf)."""
     ours_r, hf_r = results["ours"], results.get("hf")
     ratio = ours_r["tokens_per_s"] / hf_r["tokens_per_s"] if hf_r else None
     decode_ratio = hf_r["step_s"] / ours_r["step_s"] if hf_r and ours_r["step_s"] > 0 else None
     if hf_r:
         print(f"ours / HF: {ratio:.2f}x end to end, {decode_ratio:.2f}x per decode step")
-    summary = {
+    return {
         "bench": "generation",
         "ours_tokens_per_s": round(ours_r["tokens_per_s"], 2),
         "hf_tokens_per_s": round(hf_r["tokens_per_s"], 2) if hf_r else None,
         "ratio_vs_hf": round(ratio, 3) if ratio else None,
         "decode_step_ratio_vs_hf": round(decode_ratio, 3) if decode_ratio else None,
-        "ours_prefill_ms": round(ours_r["prefill_s"] * 1e3, 3),
-        "hf_prefill_ms": round(hf_r["prefill_s"] * 1e3, 3) if hf_r else None,
+        "ours_prefill_ms": _ms(ours_r["prefill_s"]),
+        "hf_prefill_ms": _ms(hf_r["prefill_s"]) if hf_r else None,
         "ours_decode_ms_per_step": round(ours_r["step_s"] * 1e3, 4),
         "hf_decode_ms_per_step": round(hf_r["step_s"] * 1e3, 4) if hf_r else None,
         "ours_decode_gbs": round(ours_r["decode_gbs"], 2),
         "hf_decode_gbs": round(hf_r["decode_gbs"], 2) if hf_r else None,
         "peak_gbs": args.peak_gbs,
         "ours_fraction_of_peak": round(ours_r["decode_gbs"] / args.peak_gbs, 4) if args.peak_gbs else None,
-        "ours_path": path,
-        "preset": args.preset, "model": args.model, "family": args.family, "params": n_params, "vocab": vocab,
-        "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "repeats": args.repeats,
     }
-    print(json.dumps(summary))
 
+
+def group_summary(results: dict[str, dict[str, float]], group: int) -> dict[str, Any]:
+    """The JSON figures of group sampling against the prompts repeated `group` times."""
+    g, r = results["group"], results["repeated"]
+    ratio = g["tokens_per_s"] / r["tokens_per_s"]
+    prefill_ratio = r["prefill_s"] / g["prefill_s"] if g["prefill_s"] > 0 else None
+    print(f"group / repeated: {ratio:.2f}x end to end"
+          + (f", prefill {prefill_ratio:.2f}x faster" if prefill_ratio else ""))
+    return {
+        "bench": "generation_group_sampling",
+        "group_tokens_per_s": round(g["tokens_per_s"], 2),
+        "repeated_tokens_per_s": round(r["tokens_per_s"], 2),
+        "ratio_group_vs_repeated": round(ratio, 3),
+        "group_prefill_ms": _ms(g["prefill_s"]),
+        "repeated_prefill_ms": _ms(r["prefill_s"]),
+        "prefill_speedup": round(prefill_ratio, 3) if prefill_ratio else None,
+        "group_decode_ms_per_step": round(g["step_s"] * 1e3, 4),
+        "repeated_decode_ms_per_step": round(r["step_s"] * 1e3, 4),
+    }
 
 if __name__ == "__main__":
     main()

@@ -1,14 +1,21 @@
-"""PPO throughput on the issue's default shape, with the generation / training split.
+"""RL-stage throughput on the peers' shape, with the per-phase split, optionally beside TRL in the same run.
 
-    python scripts/bench_ppo.py                       # Llama-family, 4 layers, hidden 256, vocab ~100,
-                                                      # batch 32, prompt 64, 64 new tokens, 1 epoch, 1 minibatch
-    python scripts/bench_ppo.py --iterations 6 --device-count 1
+    python scripts/bench_ppo.py                         # PPO: Llama-family, 4 layers, hidden 256, vocab ~100,
+                                                        # batch 32, prompt 64, 64 new tokens, 1 epoch, 1 minibatch
+    python scripts/bench_ppo.py --peer-trl              # + TRL 0.19.1 PPOTrainer (../shared/peers/trl/rate.sh)
+    python scripts/bench_ppo.py --advantage-estimator grpo --peer-trl
+                                                        # GRPO, group 4, responses stop at EOS, a Python reward
+                                                        # (share of vowels), KL 0.04 in the loss; + TRL GRPOTrainer
 
-Runs `rlhf ppo` for a few iterations on freshly built models and reads its metrics.jsonl; the first
-iteration is warm-up and is excluded. Prints one JSON line last: samples_per_s, generation_s,
-experience_s, training_s (per iteration) and the ratio to TRL 0.19's PPOTrainer on the same shape on
-this machine class (0.55 samples/s, the figure the project measured for the issue; TRL 0.19 does not
-install beside transformers 5 to be re-run here).
+Runs `rlhf ppo` for a few iterations and reads its metrics.jsonl; the first iteration is warm-up
+and is excluded, so the figures are marginal rates (start-up excluded), measured the way the peer
+scripts measure TRL (time(N2) - time(N1)). With --peer-trl the peer runs in the same invocation,
+after ours, on the same tiny policy (`/tmp/trl-peer/tiny/policy`, built by the peer's setup.sh),
+and the last JSON line holds both figures and their ratios. Without it, ours runs on a tiny model
+built here and no ratio is printed.
+
+PPO: every response is exactly --new-tokens long (min = max), as the peer's PPO. GRPO/RLOO/
+REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are both reported.
 """
 
 from __future__ import annotations
@@ -18,16 +25,24 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
-TRL_PPO_SAMPLES_PER_S = 0.55
+PEER_DIR = Path(os.environ.get("TRL_PEER_DIR", "/tmp/trl-peer"))
+PEER_SCRIPTS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "trl"
+
+VOWELS_REWARD = '''
+def vowels(prompt: str, response: str) -> float:
+    """The peer's reward: the share of vowels in the completion."""
+    return sum(c in "aeiou" for c in response) / max(1, len(response))
+'''
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="completions per iteration")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
@@ -35,58 +50,114 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--optimizer-impl", default="auto")
-    args = parser.parse_args()
-    os.environ.setdefault("WANDB_MODE", "disabled")
+    parser.add_argument("--advantage-estimator", default="gae")
+    parser.add_argument("--samples-per-prompt", type=int, default=4, help="group size of the critic-free estimators")
+    parser.add_argument("--model", default=None, help="policy folder (default: the peer's tiny policy with "
+                        "--peer-trl, else a tiny Llama built here)")
+    parser.add_argument("--peer-trl", action="store_true", help="also run TRL's rate script, in this invocation")
+    return parser.parse_args()
 
-    from rlhf.cli import main as rlhf_main
-    from rlhf.models.loading import load_tokenizer
+
+def build_models(args: argparse.Namespace, root: Path) -> Path:
+    """The policy: --model, the peer's tiny policy with --peer-trl, else a tiny Llama of the given shape."""
     from rlhf.models.tiny import save_tiny_model
-    from rlhf.models.value_model import ValueModel
 
-    root = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
+    if args.model:
+        return Path(args.model)
+    if args.peer_trl:
+        policy = PEER_DIR / "tiny" / "policy"
+        if not (policy / "config.json").is_file():
+            raise SystemExit(f"--peer-trl: {policy} missing; run: bash {PEER_SCRIPTS}/setup.sh")
+        return policy
     heads = max(4, args.hidden // 64)
-    actor = save_tiny_model(root / "actor", "llama", hidden_size=args.hidden, num_layers=args.layers,
-                            num_heads=heads, num_kv_heads=heads, max_positions=2048)
-    reward = root / "reward"
-    ValueModel.from_causal_lm_dir(actor, head_init_std=0.02).save_pretrained(reward)
-    tokenizer = load_tokenizer(str(actor))
-    tokenizer.save_pretrained(reward)
-    # Prompts whose rendered form is exactly --prompt-len tokens.
+    return save_tiny_model(root / "actor", "llama", hidden_size=args.hidden, num_layers=args.layers,
+                           num_heads=heads, num_kv_heads=heads, max_positions=2048)
+
+
+def write_prompts(tokenizer: object, path: Path, count: int, prompt_len: int) -> None:
+    """Random lowercase prompts whose rendered (chat template) form is exactly prompt_len tokens."""
     overhead = len(tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
                                                            add_generation_prompt=True)).input_ids)
     rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    with (root / "prompts.jsonl").open("w") as f:
-        for _ in range(args.batch * (args.iterations + 1)):
-            content = "".join(rng.choice(letters) for _ in range(args.prompt_len - overhead))
-            f.write(json.dumps({"prompt": content}) + "\n")
+    with path.open("w") as f:
+        for _ in range(count):
+            content = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(prompt_len - overhead))
+            f.write(json.dumps({"prompt": content.strip() or "a"}) + "\n")
+
+
+def reward_args(args: argparse.Namespace, actor: Path, root: Path) -> list[str]:
+    """PPO: a value model made from the policy (the peer's rm/ starts from the same weights).
+    Critic-free: the peer's Python reward function."""
+    if args.advantage_estimator == "gae":
+        from rlhf.models.loading import load_tokenizer
+        from rlhf.models.value_model import ValueModel
+
+        reward = root / "reward"
+        ValueModel.from_causal_lm_dir(actor, head_init_std=0.02).save_pretrained(reward)
+        load_tokenizer(str(actor)).save_pretrained(reward)
+        return ["--reward", str(reward), "--min-new-tokens", str(args.new_tokens)]
+    (root / "vowels.py").write_text(VOWELS_REWARD)
+    return ["--reward-fn", f"{root / 'vowels.py'}:vowels", "--advantage-estimator", args.advantage_estimator,
+            "--samples-per-prompt", str(args.samples_per_prompt), "--kl-coef", "0.04"]
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    """Our rlhf ppo for --iterations; per-iteration means over all but the first iteration."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from rlhf.cli import main as rlhf_main
+    from rlhf.models.loading import load_tokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
+    actor = build_models(args, root)
+    tokenizer = load_tokenizer(str(actor))
+    write_prompts(tokenizer, root / "prompts.jsonl", args.batch * (args.iterations + 1), args.prompt_len)
     out = root / "ppo"
     rlhf_main([
-        "ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(root / "prompts.jsonl"),
+        "ppo", "--actor", str(actor), "--data", str(root / "prompts.jsonl"), *reward_args(args, actor, root),
         "--output", str(out), "--max-steps", str(args.iterations), "--generation-batch-size", str(args.batch),
-        "--micro-batch-size", str(args.micro_batch_size), "--max-new-tokens", str(args.new_tokens), "--min-new-tokens", str(args.new_tokens),
+        "--micro-batch-size", str(args.micro_batch_size), "--max-new-tokens", str(args.new_tokens),
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0",
     ])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-    generation = statistics.mean(r["generation_s"] for r in rows)
-    experience = statistics.mean(r["experience_s"] for r in rows)
-    training = statistics.mean(r["training_s"] for r in rows)
-    per_iteration = generation + experience + training
-    samples_per_s = args.batch / per_iteration
-    result = {
-        "samples_per_s": round(samples_per_s, 3),
-        "generation_s": round(generation, 3),
-        "experience_s": round(experience, 3),
-        "training_s": round(training, 3),
+    phases = ("generation_s", "reward_s", "experience_s", "training_s")
+    per_phase = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in phases}
+    per_iteration = sum(per_phase.values())
+    tokens = statistics.mean(r["response_length"] for r in rows) * args.batch
+    return {
+        "completions_per_s": round(args.batch / per_iteration, 3), "tokens_per_s": round(tokens / per_iteration, 1),
+        **{k: round(v, 3) for k, v in per_phase.items()},
+        "critic_s": round(statistics.mean(r.get("critic_s", 0.0) for r in rows), 3),
         "response_tokens_mean": round(statistics.mean(r["response_length"] for r in rows), 1),
-        "trl_reference_samples_per_s": TRL_PPO_SAMPLES_PER_S,
-        "ratio_vs_trl": round(samples_per_s / TRL_PPO_SAMPLES_PER_S, 2),
-        "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens,
-                  "layers": args.layers, "hidden": args.hidden, "vocab": len(tokenizer), "dtype": args.dtype},
-        "iterations_timed": len(rows),
+        "iterations_timed": len(rows), "vocab": len(tokenizer), "model": str(actor),
     }
+
+
+def run_peer(args: argparse.Namespace) -> dict:
+    """TRL's marginal rate from the peer's own script (PPO: rate.sh, else rate_grpo.sh)."""
+    script = PEER_SCRIPTS / ("rate.sh" if args.advantage_estimator == "gae" else "rate_grpo.sh")
+    env = {**os.environ, "GEN": str(args.new_tokens), "GROUP": str(args.samples_per_prompt)}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    args = parse_args()
+    ours = run_ours(args)
+    result = {
+        "estimator": args.advantage_estimator, **ours,
+        "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
+                  "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1},
+    }
+    if args.peer_trl:
+        peer = run_peer(args)
+        result["peer"] = peer
+        if args.advantage_estimator == "gae":
+            result["ratio_samples_per_s"] = round(ours["completions_per_s"] / peer["samples_per_s"], 2)
+        else:
+            result["ratio_completions_per_s"] = round(ours["completions_per_s"] / peer["completions_per_s"], 2)
+            result["ratio_tokens_per_s"] = round(ours["tokens_per_s"] / peer["tokens_per_s"], 2)
     print(json.dumps(result))
 
 

@@ -2,6 +2,7 @@
 
     rlhf e2e                                  # built-in offline default: tiny model + `sort` task
     rlhf e2e --output runs/e2e --reward-fn sort          # PPO on the task's checker (verifiable reward)
+    rlhf e2e --advantage-estimator grpo       # SFT -> GRPO on the task's checker (no reward stage, no critic)
     rlhf e2e --config e2e.yaml --ppo.kl-coef 0.1 --sft.lr 1e-3
     rlhf e2e --model Qwen/Qwen2-0.5B --data Anthropic/hh-rlhf --nproc-per-node 8
     rlhf e2e --preset smollm2                 # SmolLM2-135M-Instruct (`rlhf models get`) + arithmetic_words
@@ -190,8 +191,13 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
     reward.model, reward.output = str(run_dir / "sft" / "model"), str(run_dir / "reward")
     ppo.actor, ppo.output = str(run_dir / "sft" / "model"), str(run_dir / "ppo")
     ppo.reward = str(run_dir / "reward" / "model")
-    if cfg.reward_fn:
-        ppo.reward_fn, ppo.reward, ppo.critic = cfg.reward_fn, "", str(run_dir / "sft" / "model")
+    ppo.advantage_estimator = cfg.advantage_estimator
+    if ppo.critic_free:
+        critic_free_settings(cfg, ppo)
+    functions = reward_functions(cfg)
+    if functions:
+        ppo.reward_fn, ppo.reward = functions, ""
+        ppo.critic = None if ppo.critic_free else str(run_dir / "sft" / "model")
     paths = task_files(cfg, run_dir)
     if paths is not None:
         sft.data.data = [str(paths["sft"])]
@@ -202,6 +208,23 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
             stage.data.data, stage.data.data_split = list(cfg.data), cfg.data_split
         reward.data.eval_split = 0.05
     return stages
+
+
+def reward_functions(cfg: E2EConfig) -> list[str]:
+    """The RL stage's reward functions: --reward-fn, else for a critic-free estimator on the built-in
+    task its checker; none means the reward stage trains a reward model."""
+    if cfg.reward_fn:
+        return list(cfg.reward_fn)
+    if cfg.advantage_estimator != "gae" and not cfg.data:
+        return [cfg.task]
+    return []
+
+
+def critic_free_settings(cfg: E2EConfig, ppo: PPOConfig) -> None:
+    """Group sampling for the critic-free estimators: the same samples per iteration as PPO, as
+    groups of 8 (the preset's 16 as 4 x 4); GRPO's KL in the loss at TRL's beta 0.04."""
+    ppo.samples_per_prompt = 4 if cfg.preset == "smollm2" else 8
+    ppo.kl_coef = 0.04
 
 
 def wandb_group(run_dir: Path, ctx: DistributedContext) -> str:
@@ -275,13 +298,15 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     from rlhf.stages import sft as sft_stage
 
     seconds = {"sft_seconds": run_stage("sft", sft, sft_stage, ctx)}
-    if not cfg.reward_fn:
+    trains_reward_model = not reward_functions(cfg)
+    if trains_reward_model:
         seconds["reward_seconds"] = run_stage("reward", reward, reward_stage, ctx)
     seconds["ppo_seconds"] = run_stage("ppo", ppo, ppo_stage, ctx)
 
     summary: dict[str, Any] = {"output": str(run_dir), "task": None if cfg.data else cfg.task,
-                               "reward_fn": cfg.reward_fn, "wandb_group": group}
-    if not cfg.reward_fn:
+                               "reward_fn": reward_functions(cfg), "advantage_estimator": cfg.advantage_estimator,
+                               "wandb_group": group}
+    if trains_reward_model:
         summary["rm_eval_accuracy"] = read_summary(reward.output).get("eval_accuracy")
     if paths is not None:
         t0 = time.perf_counter()

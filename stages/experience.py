@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rlhf.algorithms.advantages import discounted_returns
 from rlhf.algorithms.ppo import KLKind, SumReducer, compute_token_rewards, gae_advantages, masked_whiten
 
 
@@ -39,12 +40,13 @@ class Experience:
 
 def shaped_scores(
     raw: torch.Tensor, ended_with_eos: torch.Tensor, normalization: tuple[float, float] | None,
-    missing_eos_penalty: float,
+    missing_eos_penalty: float, overlong: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score used in the reward: normalised with (mean, std) when given, minus a penalty when EOS
-    never came."""
+    never came, plus DAPO's (non-positive) overlong penalty when given."""
     score = raw if normalization is None else (raw - normalization[0]) / max(normalization[1], 1e-6)
-    return score - missing_eos_penalty * (~ended_with_eos).float()
+    score = score - missing_eos_penalty * (~ended_with_eos).float()
+    return score if overlong is None else score + overlong.to(score.dtype)
 
 
 def build_experience(
@@ -53,7 +55,7 @@ def build_experience(
     action_mask_full: torch.Tensor,
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    values_full: torch.Tensor,
+    values_full: torch.Tensor | None,
     raw_scores: torch.Tensor,
     scores: torch.Tensor,
     kl_coef: float,
@@ -64,15 +66,24 @@ def build_experience(
     whiten_advantages: bool,
     all_reduce: SumReducer | None = None,
 ) -> Experience:
-    """Rewards (KL penalty + `scores` on the last response token), GAE advantages and returns.
+    """Rewards (KL penalty + `scores` on the last response token) and advantages.
 
-    `raw_scores` are kept for the metrics, `scores` (normalised, penalised: `shaped_scores`) go
-    into the reward. Advantages are whitened over the masked tokens of every rank (`all_reduce`).
+    With the critic's values: GAE advantages and returns. Without (`values_full` None, the
+    critic-free estimators, whose group baseline is already in `scores`): each token's advantage
+    is the return that follows it (discounted_returns) and `returns` equal it. `raw_scores` are
+    kept for the metrics, `scores` (normalised, penalised, baselined) go into the reward; a KL that
+    goes into the loss instead passes kl_coef 0 here. Advantages are whitened over the masked
+    tokens of every rank (`all_reduce`) when `whiten_advantages`.
     """
     mask = action_mask_full[:, 1:].bool()
-    values = values_full[:, :-1].float() * mask
     rewards, kl = compute_token_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, kl_kind, reward_clip)
-    advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
+    if values_full is not None:
+        values = values_full[:, :-1].float() * mask
+        advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
+    else:
+        values = torch.zeros_like(rewards)
+        advantages = discounted_returns(rewards, mask, gamma)
+        returns = advantages
     if whiten_advantages:
         advantages = masked_whiten(advantages, mask, all_reduce=all_reduce)
     return Experience(sequences, attention_mask, mask, old_logprobs, ref_logprobs, values, rewards,

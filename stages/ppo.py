@@ -1,23 +1,30 @@
-"""`rlhf ppo`: PPO on prompts with the hybrid engine.
+"""`rlhf ppo`: PPO and the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) on prompts.
 
     rlhf ppo --actor runs/sft/model --reward runs/rm/model --data prompts.jsonl --output runs/ppo
-    rlhf ppo --actor runs/sft/model --reward-fn sort --data prompts.jsonl --output runs/ppo   # verifiable reward
+    rlhf ppo --actor runs/sft/model --reward-fn sort --critic runs/sft/model ...        # verifiable reward
+    rlhf ppo --actor runs/sft/model --reward-fn my_rewards.py:exact_match --advantage-estimator grpo \
+        --samples-per-prompt 8 ...                                                      # GRPO, no critic
     rlhf ppo ... --nproc-per-node 2 --zero-stage 3 --inference-tp-size 2
 
 Reads top to bottom: `run` checks the config, claims the output folder and builds a `PPOTrainer`
 (data, models, tracker, resume), whose `train` loop runs one iteration as named phases:
 
-    generate_rollouts   rollout mode (tensor-parallel actor, static KV cache): responses to prompts
-    make_experience     old/reference log-probs, critic values, reward scores -> KL-penalised
-                        per-token rewards -> GAE -> whitened advantages
-    update              ppo_epochs of clipped policy and value updates over minibatches
-                        (+ entropy bonus, + PTX loss), then the actor's EMA and the KL controller
-    log_iteration       metrics over all ranks, sample tables
+    collect_rollouts    rollout mode (tensor-parallel actor, static KV cache): --samples-per-prompt
+                        responses to each prompt (prefilled once), scored by the reward sources
+                        (+ missing-EOS / overlong penalties, clipped); with --dynamic-sampling, more
+                        rounds until the batch holds only groups whose rewards differ
+    make_experience     old/reference log-probs (and critic values) -> per-token rewards (KL
+                        penalty unless the KL is a loss term) -> advantages: GAE with a critic, or the
+                        estimator's group baseline and returns without one; whitened over all ranks
+    update              ppo_epochs of clipped policy (and value) updates over minibatches (+ KL
+                        loss, entropy bonus, PTX loss), then the actor's EMA and the KL controller
+    log_iteration       metrics over all ranks (per reward source, per phase), sample tables
     save_checkpoint     resume state (DCP) every --save-interval iterations (and at the end with
                         --save-final-checkpoint)
 
-`finish` writes the final actor to <output>/model, the critic to <output>/critic (and the EMA
-actor to <output>/model_ema), then summary.json and DONE.
+`finish` writes the final actor to <output>/model, the critic to <output>/critic (GAE only) and the
+EMA actor to <output>/model_ema, then summary.json and DONE. The rollout layout over ranks and
+groups lives in rlhf.stages.rollouts, the math in rlhf.algorithms.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from rlhf.algorithms.advantages import group_baseline_scores, overlong_penalty, varied_groups, whitens_advantages
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.algorithms.ppo import (
-    AdaptiveKLController, FixedKLController, explained_variance, masked_mean, policy_loss, value_loss,
+    AdaptiveKLController, FixedKLController, explained_variance, kl_loss, masked_mean, policy_loss, value_loss,
 )
 from rlhf.config import PPOConfig
 from rlhf.data.batching import BatchPlan, collate_sft, pad_left
@@ -60,13 +68,18 @@ from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.value_model import check_reward_model_dir, value_model_from, value_model_kind
 from rlhf.seeding import derive_seed, seeded_permutation
 from rlhf.stages.experience import Experience, build_experience, mean_kl_per_sequence, shaped_scores
-from rlhf.stages.reward_sources import build_reward_source, warn_if_degenerate
+from rlhf.reward_functions import RewardFunction, prompt_text
+from rlhf.stages.reward_sources import REWARD_MODEL, build_reward_source, check_reward_sources, warn_if_degenerate
+from rlhf.stages.rollouts import (
+    Rollouts, gather_rollouts, global_scores, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs,
+)
 from rlhf.stages.trainer import finish_stage, open_run, resume_from_latest, start_stage, wants_checkpoint
 
 log = get_logger(__name__)
 
 # Per-micro-batch metrics (averaged over micro-batches); the rest of `update`'s sums are per step.
-PER_MICRO_METRICS = ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "entropy", "ptx_loss")
+PER_MICRO_METRICS = ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "entropy", "ptx_loss",
+                     "kl_loss")
 
 
 # ------------------------------------------------------------------ the stage
@@ -75,29 +88,36 @@ PER_MICRO_METRICS = ("policy_loss", "value_loss", "clipfrac", "approx_kl", "valu
 def run(config: PPOConfig) -> dict[str, Any]:
     """Train the actor (and critic) with PPO; collective: every rank calls it. Returns the summary."""
     ctx = DistributedContext.initialize()
-    check_config(config, ctx)
+    functions = check_config(config, ctx)
     output = start_stage(config, ctx, "ppo")
     check_batch_arithmetic(config, ctx)
-    trainer = PPOTrainer(config, ctx, output)
+    trainer = PPOTrainer(config, ctx, output, functions)
     trainer.train()
     return trainer.finish()
 
 
-def check_config(config: PPOConfig, ctx: DistributedContext) -> None:
-    """Flags PPO cannot run without, the TP size, and the default minibatch (the whole experience)."""
+def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunction]:
+    """Flags PPO cannot run without, the model folders and reward functions (loaded here, before
+    any model), the TP size, and the default minibatch (the whole experience). Returns the
+    reward functions."""
     if not config.actor:
         raise UserError("--actor is required: the policy to train (e.g. the SFT stage's <output>/model)")
     if not config.reward and not config.reward_fn:
-        raise UserError("--reward (a reward model folder) or --reward-fn TASK is required")
-    if not (config.critic or config.reward):
+        raise UserError("--reward (a reward model folder) or --reward-fn (a task name or file.py:function) is required")
+    if config.critic_free and config.critic:
+        raise UserError(f"--critic {config.critic}: --advantage-estimator {config.advantage_estimator} trains no "
+                        "critic; drop --critic (or use --advantage-estimator gae)")
+    if not config.critic_free and not (config.critic or config.reward):
         raise UserError("--critic is required with --reward-fn (a causal LM or value model folder, e.g. the SFT model)")
     check_model_folders(config)
+    functions = check_reward_sources(config)
     if config.ptx_data and config.ptx_coef <= 0:
         raise UserError("--ptx-data needs --ptx-coef > 0")
     ctx.tp_coordinates(config.inference_tp_size)
     if config.engine.train_batch_size is None and config.engine.grad_accum is None:
         config.engine.train_batch_size = config.generation_batch_size * ctx.world_size  # one minibatch per PPO epoch
         config.engine.micro_batch_size = min(config.engine.micro_batch_size, config.generation_batch_size)
+    return functions
 
 
 def check_model_folders(config: PPOConfig) -> None:
@@ -108,15 +128,22 @@ def check_model_folders(config: PPOConfig) -> None:
     if config.critic and value_model_kind(config.critic) is None:
         raise UserError(f"--critic {config.critic}: no config.json; pass a value/reward model folder, a Hugging Face "
                         "*ForSequenceClassification folder or a causal LM folder (e.g. runs/sft/model)")
-    if config.reward and not config.critic and not same_vocabulary(
+    if config.reward and not config.critic and not config.critic_free and not same_vocabulary(
             load_tokenizer(config.reward, "--reward"), load_tokenizer(config.actor, "--actor")):
         raise UserError(f"--reward {config.reward}: its tokenizer differs from the actor's, so it cannot be the "
                         "critic (the critic reads the actor's token ids); pass --critic (e.g. the --actor folder)")
 
 
 def check_batch_arithmetic(config: PPOConfig, ctx: DistributedContext) -> None:
-    """The global minibatch (--train-batch-size, resolved by start_stage) must divide the experience."""
+    """The experience must be whole prompt groups, and the global minibatch (--train-batch-size,
+    resolved by start_stage) must divide it."""
     experience = config.generation_batch_size * ctx.world_size
+    if experience % config.samples_per_prompt:
+        raise UserError(
+            f"--samples-per-prompt {config.samples_per_prompt} must divide the experience batch "
+            f"generation_batch_size {config.generation_batch_size} x world size {ctx.world_size} = {experience} "
+            "(each iteration samples whole groups)"
+        )
     if experience % config.engine.train_batch_size:
         raise UserError(
             f"--train-batch-size {config.engine.train_batch_size} must divide the experience batch "
@@ -152,22 +179,23 @@ class Prompts:
 
     ids: list[list[int]]
     messages: list[list[Message]]
+    fields: list[dict[str, Any]]
     stats: dict[str, int]
 
 
 def load_prompts(config: PPOConfig, tokenizer: Any) -> Prompts:
     """This stage's share of --data as generation prompts of at most --max-prompt-len tokens."""
 
-    def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message]]], TokenizeStats]:
+    def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict]], TokenizeStats]:
         ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
-        return [(i, parsed[k].prompt) for i, k in zip(ids, stats.kept_indices)], stats
+        return [(i, parsed[k].prompt, parsed[k].fields) for i, k in zip(ids, stats.kept_indices)], stats
 
     rows = load_stage_rows(
         config.data, "ppo", config.engine.seed, tokenize, holdout=False,
         required="prompts (or any rows with a prompt) as json/jsonl/parquet/csv",
         empty=f"no prompts of at most {config.max_prompt_len} tokens",
     )
-    return Prompts([ids for ids, _ in rows.train], [messages for _, messages in rows.train], rows.stats)
+    return Prompts([r[0] for r in rows.train], [r[1] for r in rows.train], [r[2] for r in rows.train], rows.stats)
 
 
 def critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -177,37 +205,27 @@ def critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: to
 
 @contextmanager
 def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
-    """Store the wall time of the block in seconds[key]."""
+    """Add the wall time of the block to seconds[key]."""
     start = time.perf_counter()
     yield
-    seconds[key] = time.perf_counter() - start
-
-
-@dataclass
-class Rollouts:
-    """This rank's share of one iteration's generations."""
-
-    sequences: torch.Tensor  # [B, T] prompt + response ids, left-padded prompts
-    attention_mask: torch.Tensor  # [B, T]
-    action_mask: torch.Tensor  # [B, T] response tokens
-    ended_with_eos: torch.Tensor  # [B] bool
-    prompts: list[list[Message]]  # each row's chat messages
-    responses: list[str]  # each row's decoded response
-    metrics: dict[str, float]  # rollout mode's (parity check, memory)
-    clipped: torch.Tensor | None = None  # how many shaped scores --reward-clip cut (set by make_experience)
+    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
 
 
 # ------------------------------------------------------------------ the trainer
 
 
 class PPOTrainer:
-    """Actor, critic, reference, reward source, KL controller and EMA, and the loop over them."""
+    """Actor (and critic), reference, reward sources, KL controller and EMA, and the loop over them."""
 
-    def __init__(self, config: PPOConfig, ctx: DistributedContext, output: Path) -> None:
+    def __init__(self, config: PPOConfig, ctx: DistributedContext, output: Path,
+                 reward_functions: list[RewardFunction] | None = None) -> None:
         self.config, self.ctx, self.output = config, ctx, output
+        self.reward_functions = reward_functions
         self.seed = config.engine.seed
         self.tp = ctx.tp_coordinates(config.inference_tp_size)
         self.batch_per_rank = config.generation_batch_size
+        self.group_size = config.samples_per_prompt
+        self.experience_size = config.generation_batch_size * ctx.world_size  # samples per iteration
         self.tokenizer = load_tokenizer(config.actor, "--actor")
         self.load_data()
         self.total_iterations = config.max_steps if config.max_steps > 0 else self.plan.steps_per_epoch * config.epochs
@@ -220,16 +238,17 @@ class PPOTrainer:
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
         )
         self.last_metrics: dict[str, float] = {}
+        self.critic_seconds = 0.0
         self.started = time.perf_counter()
 
     def load_data(self) -> None:
         """Prompts, the plan that deals them out per iteration, and the optional PTX rows."""
         config = self.config
         self.prompts = load_prompts(config, self.tokenizer)
-        # A TP group generates its prompts together, so the plan's "ranks" are the TP groups: each
-        # takes batch_per_rank x tp prompts of every iteration's global batch.
-        self.plan = BatchPlan(len(self.prompts.ids), self.batch_per_rank * self.tp.size, 1, self.tp.num_groups,
-                              self.tp.group_index, self.seed)
+        # The plan deals out each iteration's global prompts (every rank reads the same list): the
+        # experience batch of generation_batch_size x world samples is that many prompts' groups.
+        prompts_per_iteration = self.batch_per_rank * self.ctx.world_size // self.group_size
+        self.plan = BatchPlan(len(self.prompts.ids), prompts_per_iteration, 1, 1, 0, self.seed)
         if self.plan.steps_per_epoch == 0:
             raise UserError(f"{len(self.prompts.ids)} prompts do not fill one iteration of "
                             f"{self.plan.global_batch_size}; lower --generation-batch-size or add prompts")
@@ -243,18 +262,22 @@ class PPOTrainer:
                 "ptx data")
 
     def build_models(self) -> None:
-        """Trained actor and critic (separate optimizers), frozen reference, reward source, KL, EMA."""
+        """Trained actor and critic (none for the critic-free estimators; separate optimizers),
+        frozen reference, reward sources, KL controller, EMA."""
         config, ctx = self.config, self.ctx
-        minibatches = self.plan.global_batch_size // config.engine.train_batch_size
+        minibatches = self.experience_size // config.engine.train_batch_size
         total_steps = self.total_iterations * config.ppo_epochs * minibatches
         self.actor = TrainEngine(disable_dropout(load_causal_lm(config.actor, "--actor")),
                                  engine_config_for(config, config.actor_zero_stage, None), ctx, total_steps, "actor")
-        self.critic = TrainEngine(disable_dropout(value_model_from(config.critic or config.reward, flag="--critic")),
-                                  engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx,
-                                  total_steps, "critic")
+        self.critic: TrainEngine | None = None
+        if not config.critic_free:
+            self.critic = TrainEngine(
+                disable_dropout(value_model_from(config.critic or config.reward, flag="--critic")),
+                engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx, total_steps, "critic")
+        self.engines = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.ref = FrozenModel(load_causal_lm(config.ref or config.actor, "--ref"), ctx, config.engine.zero_stage,
                                self.actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref")
-        self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype)
+        self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
         self.ema = ParameterEMA(self.actor.model, config.ema_decay) if config.ema_decay > 0 else None
@@ -262,8 +285,7 @@ class PPOTrainer:
     def resume(self) -> int:
         """With --resume, the trainer's resume (engines, RNG, metrics) plus the KL coefficient and
         the EMA; returns the iteration to start from."""
-        state = resume_from_latest(self.config, self.ctx, self.checkpointer,
-                                   {"actor": self.actor, "critic": self.critic}, self.tracker)
+        state = resume_from_latest(self.config, self.ctx, self.checkpointer, self.engines, self.tracker)
         if state is None:
             return 0
         self.kl_ctl.value = state["kl_coef"]
@@ -274,14 +296,14 @@ class PPOTrainer:
     # -------------------------------------------------------------- the loop
 
     def train(self) -> None:
-        """One PPO iteration per step: rollouts -> experience -> update -> logging -> checkpoint."""
+        """One iteration per step: rollouts (+ rewards) -> experience -> update -> logging -> checkpoint."""
         bar = tqdm(total=self.total_iterations, initial=self.start_iteration, desc="ppo", disable=not self.ctx.is_main,
                    dynamic_ncols=True)
         self.started = time.perf_counter()
         for iteration in range(self.start_iteration, self.total_iterations):
             seconds: dict[str, float] = {}
-            with timed(seconds, "generation_s"):
-                rollouts = self.generate_rollouts(iteration)
+            self.critic_seconds = 0.0
+            rollouts = self.collect_rollouts(iteration, seconds)
             with timed(seconds, "experience_s"):
                 exp = self.make_experience(rollouts)
             with timed(seconds, "training_s"):
@@ -291,62 +313,155 @@ class PPOTrainer:
             kl = self.update_kl_controller(exp)
             metrics = self.log_iteration(iteration, rollouts, exp, update_metrics, kl, seconds)
             if iteration == self.start_iteration:
-                self.check_reward_spread(metrics)
+                self.check_reward_spread(rollouts)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['score_mean']:.3f}", kl=f"{kl:.3f}")
             self.save_checkpoint(iteration + 1)
         bar.close()
 
-    def generate_rollouts(self, iteration: int) -> Rollouts:
-        """Responses to this iteration's prompts: the TP group generates its prompts together (same
-        sampling seed on its ranks), then each rank keeps its --generation-batch-size rows."""
-        epoch, step_in_epoch = divmod(iteration, self.plan.steps_per_epoch)
-        (group_rows,) = self.plan.step_micro_batches(epoch, step_in_epoch)
-        ids, mask = pad_left([self.prompts.ids[i] for i in group_rows], self.tokenizer.pad_token_id)
+    def collect_rollouts(self, iteration: int, seconds: dict[str, float]) -> Rollouts:
+        """This iteration's scored rollouts: one round of sampling, or with --dynamic-sampling as
+        many rounds as it takes to fill the batch with groups whose rewards differ."""
+        rollouts = self.sample_round(self.round_prompts(iteration, 0), iteration, 0, seconds)
+        if not self.config.dynamic_sampling:
+            return rollouts
+        return self.dynamic_sampling(rollouts, iteration, seconds)
+
+    def round_prompts(self, iteration: int, round_index: int) -> list[int]:
+        """The iteration's global prompts (the plan's); a later dynamic-sampling round draws a seeded
+        random batch of other prompts."""
+        if round_index == 0:
+            epoch, step_in_epoch = divmod(iteration, self.plan.steps_per_epoch)
+            (rows,) = self.plan.step_micro_batches(epoch, step_in_epoch)
+            return rows
+        order = seeded_permutation(len(self.prompts.ids), derive_seed(self.seed, "refill", iteration, round_index))
+        return order[: self.plan.global_batch_size]
+
+    def sample_round(self, prompt_rows: list[int], iteration: int, round_index: int,
+                     seconds: dict[str, float]) -> Rollouts:
+        """Generate this rank's share of the prompts' groups and score them."""
+        with timed(seconds, "generation_s"):
+            rollouts = self.generate_rollouts(prompt_rows, iteration, round_index)
+        with timed(seconds, "reward_s"):
+            self.score_rewards(rollouts)
+        return rollouts
+
+    def generate_rollouts(self, prompt_rows: list[int], iteration: int, round_index: int) -> Rollouts:
+        """Responses to this rank's sample slots: the TP group generates its ranks' slots together
+        (same sampling seed on its ranks), each unique prompt prefilled once for its samples; then
+        each rank keeps its --generation-batch-size rows."""
+        per_group = self.batch_per_rank * self.tp.size
+        slots = iteration_slots(prompt_rows, self.group_size)
+        group_slots = slots[self.tp.group_index * per_group : (self.tp.group_index + 1) * per_group]
+        unique, counts = unique_runs(group_slots)
+        ids, mask = pad_left([self.prompts.ids[i] for i in unique], self.tokenizer.pad_token_id)
+        purpose = ("rollout", iteration) if round_index == 0 else ("rollout_round", iteration, round_index)
         gen = torch.Generator(device=self.ctx.device).manual_seed(
-            derive_seed(self.seed, "rollout", iteration, self.tp.group_index))
+            derive_seed(self.seed, purpose[0], *purpose[1:], self.tp.group_index))
+        repeats = torch.tensor(counts, dtype=torch.long, device=self.ctx.device)
         with rollout_mode(self.actor, self.tp.size, self.config.rollout_parity_tolerance) as rollout:
-            out = rollout.generate(ids.to(self.ctx.device), mask.to(self.ctx.device), self.sampling, gen)
+            out = rollout.generate(ids.to(self.ctx.device), mask.to(self.ctx.device), self.sampling, gen,
+                                   samples_per_prompt=repeats)
             rollout_metrics = dict(rollout.metrics)
         mine = slice(self.tp.rank_in_group * self.batch_per_rank, (self.tp.rank_in_group + 1) * self.batch_per_rank)
+        rows = group_slots[mine]
         sequences, action = out.sequences[mine], out.action_mask[mine]
         decoded = self.tokenizer.batch_decode([s[a] for s, a in zip(sequences, action)], skip_special_tokens=True)
         return Rollouts(sequences, out.attention_mask[mine], action, out.finished[mine],
-                        [self.prompts.messages[i] for i in group_rows[mine]], [r.strip() for r in decoded],
-                        rollout_metrics)
+                        [self.prompts.messages[i] for i in rows], [r.strip() for r in decoded],
+                        [self.prompts.fields[i] for i in rows], rollout_metrics)
+
+    def score_rewards(self, rollouts: Rollouts) -> None:
+        """The reward sources' scores, then the shaped score that enters the reward: missing-EOS
+        and overlong penalties, clipped to --reward-clip (the clipped rows are counted)."""
+        config = self.config
+        raw = self.reward.score(rollouts.sequences, rollouts.attention_mask, rollouts.prompts, rollouts.responses,
+                                rollouts.fields)
+        overlong = None
+        if config.overlong_buffer > 0:
+            overlong = overlong_penalty(rollouts.response_lengths, config.max_new_tokens, config.overlong_buffer,
+                                        config.overlong_penalty).to(raw.device)
+        scores = shaped_scores(raw, rollouts.ended_with_eos, self.reward.normalization, config.missing_eos_penalty,
+                               overlong)
+        rollouts.raw_scores, rollouts.components = raw, dict(self.reward.components)
+        rollouts.clipped = scores.abs() > config.reward_clip
+        rollouts.scores = scores.clamp(-config.reward_clip, config.reward_clip)
+
+    def dynamic_sampling(self, first: Rollouts, iteration: int, seconds: dict[str, float]) -> Rollouts:
+        """DAPO's dynamic sampling: keep the groups whose rewards differ (gathered from every rank),
+        sample further rounds of other prompts until the batch's groups are filled (or
+        --dynamic-sampling-rounds ran out: the first round's tied groups fill the rest), then
+        every rank takes its slice of the kept rows again."""
+        n = self.group_size
+        wanted = self.plan.global_batch_size  # groups per iteration
+        kept: list[Rollouts] = []
+        tied: Rollouts | None = None
+        n_kept = rounds = 0
+        for round_index in range(self.config.dynamic_sampling_rounds):
+            rollouts = first if round_index == 0 else self.sample_round(
+                self.round_prompts(iteration, round_index), iteration, round_index, seconds)
+            everyone = gather_rollouts(rollouts, self.ctx, self.tokenizer.pad_token_id)
+            varied = varied_groups(everyone.scores, n).tolist()
+            kept.append(select_rows(everyone, group_rows([g for g, v in enumerate(varied) if v], n)))
+            if tied is None:
+                tied = select_rows(everyone, group_rows([g for g, v in enumerate(varied) if not v], n))
+            n_kept, rounds = n_kept + sum(varied), round_index + 1
+            if n_kept >= wanted:
+                break
+        pool = merge_rollouts([*kept, tied], self.tokenizer.pad_token_id)
+        mine = list(range(self.ctx.rank * self.batch_per_rank, (self.ctx.rank + 1) * self.batch_per_rank))
+        result = select_rows(pool, mine)
+        result.metrics.update(dynamic_sampling_rounds=float(rounds),
+                              dynamic_sampling_kept_fraction=min(n_kept, wanted) / wanted)
+        return result
 
     @torch.no_grad()
-    def score_rollouts(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Old (actor) and reference log-probs, critic values and raw reward scores, in micro-batches."""
+    def score_policy(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Old (actor) and reference log-probs and the critic's values (None without a critic), in
+        micro-batches."""
         seq, attn = rollouts.sequences, rollouts.attention_mask
         slices = micro_batch_slices(len(seq), self.config.engine.micro_batch_size)
-        self.actor.eval(), self.critic.eval()
+        self.actor.eval()
         old_logprobs = torch.cat([causal_lm_logprobs(self.actor.model, seq[s], attn[s])[0] for s in slices])
         ref_logprobs = self.ref.logprobs(seq, attn)
-        values = torch.cat([critic_values(self.critic.model, seq[s], attn[s]) for s in slices])
-        raw_scores = self.reward.score(seq, attn, rollouts.prompts, rollouts.responses)  # chat messages, texts
-        return old_logprobs, ref_logprobs, values, raw_scores
+        values = None
+        if self.critic is not None:
+            started = time.perf_counter()
+            self.critic.eval()
+            values = torch.cat([critic_values(self.critic.model, seq[s], attn[s]) for s in slices])
+            self.critic_seconds += time.perf_counter() - started
+        return old_logprobs, ref_logprobs, values
+
+    def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's scores after the estimator's group baseline, computed over the whole global
+        batch (a group may span ranks)."""
+        everyone = global_scores(scores, self.ctx).float()
+        adjusted = group_baseline_scores(everyone, self.group_size, self.config.advantage_estimator)
+        batch = scores.shape[0]
+        return adjusted[self.ctx.rank * batch : (self.ctx.rank + 1) * batch].to(scores.dtype)
 
     def make_experience(self, rollouts: Rollouts) -> Experience:
-        """Log-probs, values and scores -> KL-penalised rewards -> GAE advantages (whitened over all
-        ranks). Counts the shaped scores that --reward-clip cuts into rollouts.metrics."""
+        """Log-probs, values and scores -> rewards (KL penalty unless the KL is a loss term) ->
+        advantages: GAE with the critic, else the group-baselined returns; whitened over all ranks
+        for the estimators that whiten."""
         config = self.config
-        old_logprobs, ref_logprobs, values, raw_scores = self.score_rollouts(rollouts)
-        scores = shaped_scores(raw_scores, rollouts.ended_with_eos, self.reward.normalization,
-                               config.missing_eos_penalty)
-        rollouts.clipped = (scores.abs() > config.reward_clip).sum()
+        old_logprobs, ref_logprobs, values = self.score_policy(rollouts)
+        scores = self.baselined_scores(rollouts.scores) if config.critic_free else rollouts.scores
         return build_experience(
             rollouts.sequences, rollouts.attention_mask, rollouts.action_mask, old_logprobs, ref_logprobs, values,
-            raw_scores, scores, self.kl_ctl.value, config.kl_estimator, config.reward_clip, config.gamma,
-            config.lam, config.whiten_advantages, self.ctx.all_reduce_sum,
+            rollouts.raw_scores, scores, 0.0 if config.kl_in_loss else self.kl_ctl.value, config.kl_kind, None,
+            config.gamma, config.lam, config.whiten_advantages and whitens_advantages(config.advantage_estimator),
+            self.ctx.all_reduce_sum,
         )
 
     def update(self, exp: Experience, iteration: int) -> dict[str, float]:
-        """ppo_epochs passes over the experience in minibatches (one optimizer step of actor and
-        critic each), micro-batch by micro-batch; returns the mean losses over all ranks."""
+        """ppo_epochs passes over the experience in minibatches (one optimizer step of the actor, and
+        of the critic when there is one, each), micro-batch by micro-batch; returns the mean losses
+        over all ranks."""
         config, micro = self.config, self.config.engine.micro_batch_size
         per_rank_minibatch = config.engine.train_batch_size // self.ctx.world_size
-        self.actor.train(), self.critic.train()
+        for engine in self.engines.values():
+            engine.train()
         sums: dict[str, float] = {}
         micro_steps = optimizer_steps = 0
         for ppo_epoch in range(config.ppo_epochs):
@@ -357,14 +472,16 @@ class PPOTrainer:
                 for s in micro_batch_slices(len(minibatch), micro):
                     part = exp.select(minibatch[s].to(self.ctx.device))
                     ptx_seed = derive_seed(self.seed, "ptx", iteration, micro_steps, self.ctx.rank)
-                    step_metrics = self.micro_step(part, ptx_seed)
-                    for k, v in step_metrics.items():
+                    for k, v in self.micro_step(part, ptx_seed).items():
                         sums[k] = sums.get(k, 0.0) + v
                     micro_steps += 1
-                actor_step, critic_step = self.actor.step(), self.critic.step()
+                for name, engine in self.engines.items():
+                    started = time.perf_counter()
+                    step = engine.step()
+                    sums[f"{name}_grad_norm"] = sums.get(f"{name}_grad_norm", 0.0) + step.grad_norm
+                    if name == "critic":
+                        self.critic_seconds += time.perf_counter() - started
                 optimizer_steps += 1
-                sums["actor_grad_norm"] = sums.get("actor_grad_norm", 0.0) + actor_step.grad_norm
-                sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + critic_step.grad_norm
         keys = sorted(sums)
         local = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         reduced = self.ctx.all_reduce_sum(local) / self.ctx.world_size
@@ -372,26 +489,41 @@ class PPOTrainer:
                 for k, v in zip(keys, reduced.tolist())}
 
     def micro_step(self, exp: Experience, ptx_seed: int) -> dict[str, float]:
-        """Forward/backward of one micro-batch through actor (policy loss) and critic (value loss)."""
+        """Forward/backward of one micro-batch through the actor (policy loss, KL loss term, entropy
+        bonus, PTX) and the critic (value loss)."""
         config, actor = self.config, self.actor
+        aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
         logprobs, logits = causal_lm_logprobs(actor.model, exp.sequences, exp.attention_mask)
-        p_loss, clipfrac, approx_kl = policy_loss(logprobs, exp.old_logprobs, exp.advantages, exp.action_mask,
-                                                  config.clip_range)
+        low, high = config.clip_bounds
+        p_loss, clipfrac, approx_kl = policy_loss(logprobs, exp.old_logprobs, exp.advantages, exp.action_mask, low,
+                                                  high, aggregation, normalizer, config.importance_ratio)
+        loss, metrics = p_loss, {"clipfrac": float(clipfrac), "approx_kl": float(approx_kl)}
+        if config.kl_in_loss:
+            kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
+            loss = loss + self.kl_ctl.value * kl_term
+            metrics["kl_loss"] = float(kl_term.detach())
         entropy = masked_mean(entropy_from_logits_chunked(logits[:, :-1]), exp.action_mask)
-        loss = p_loss - config.entropy_coef * entropy if config.entropy_coef > 0 else p_loss
-        ptx = torch.zeros(())
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * entropy
         if self.ptx_rows:
             ptx = self.ptx_loss(len(exp), ptx_seed, logits.device)
             loss = loss + config.ptx_coef * ptx
+            metrics["ptx_loss"] = float(ptx.detach())
         actor.backward(loss)
+        metrics.update(policy_loss=float(p_loss.detach()), entropy=float(entropy.detach()))
+        if self.critic is not None:
+            metrics.update(self.critic_micro_step(exp))
+        return metrics
+
+    def critic_micro_step(self, exp: Experience) -> dict[str, float]:
+        """The critic's clipped value loss on one micro-batch, forward and backward."""
+        started = time.perf_counter()
         values = critic_values(self.critic.model, exp.sequences, exp.attention_mask)[:, :-1]
-        v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask, config.clip_range_value)
+        v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
+                                        self.config.clip_range_value)
         self.critic.backward(v_loss)
-        return {
-            "policy_loss": float(p_loss.detach()), "value_loss": float(v_loss.detach()), "clipfrac": float(clipfrac),
-            "approx_kl": float(approx_kl), "value_clipfrac": float(v_clipfrac), "entropy": float(entropy.detach()),
-            "ptx_loss": float(ptx.detach()),
-        }
+        self.critic_seconds += time.perf_counter() - started
+        return {"value_loss": float(v_loss.detach()), "value_clipfrac": float(v_clipfrac)}
 
     def ptx_loss(self, n: int, seed: int, device: torch.device) -> torch.Tensor:
         """InstructGPT's PPO-ptx term: the actor's token-mean LM loss on n seeded picks of --ptx-data."""
@@ -405,7 +537,7 @@ class PPOTrainer:
     def update_kl_controller(self, exp: Experience) -> float:
         """Mean KL per sequence over all ranks, fed to the KL controller (adaptive KL moves its coefficient)."""
         kl = float(self.ctx.all_reduce_sum(mean_kl_per_sequence(exp).detach().double())) / self.ctx.world_size
-        self.kl_ctl.update(kl, self.plan.global_batch_size)
+        self.kl_ctl.update(kl, self.experience_size)
         return kl
 
     # -------------------------------------------------------------- logging, checkpoints, outputs
@@ -414,11 +546,13 @@ class PPOTrainer:
                       kl: float, seconds: dict[str, float]) -> dict[str, float]:
         """Metrics of the iteration over all ranks to the tracker (and a sample table now and then)."""
         ctx, config, step = self.ctx, self.config, iteration + 1
-        experience_global = self.plan.global_batch_size
+        experience_global = self.experience_size
         response_tokens = float(ctx.all_reduce_sum(exp.action_mask.sum().double()))
         eos = float(ctx.all_reduce_sum(rollouts.ended_with_eos.float().sum().double()))
-        clipped = float(ctx.all_reduce_sum(rollouts.clipped.double())) if rollouts.clipped is not None else 0.0
-        metrics = {**experience_metrics(exp, ctx), **update_metrics, **self.reward_source_metrics()}
+        clipped = float(ctx.all_reduce_sum(rollouts.clipped.double().sum()))
+        metrics = {**experience_metrics(exp, ctx, self.critic is not None), **update_metrics,
+                   **self.reward_source_metrics(rollouts)}
+        metrics.update(critic_s=self.critic_seconds)
         metrics.update(
             kl=kl, kl_coef=self.kl_ctl.value, **seconds, samples_per_s=experience_global / sum(seconds.values()),
             tokens_per_s=response_tokens / seconds["generation_s"], actor_lr=self.actor.scheduler.get_last_lr()[0],
@@ -430,25 +564,30 @@ class PPOTrainer:
         if step % config.tracking.log_interval == 0 or last:
             self.tracker.log(metrics, step=step)
         if config.sample_log_interval > 0 and (iteration % config.sample_log_interval == 0 or last):
-            rows = [[p[-1]["content"], r, float(s)] for p, r, s in zip(rollouts.prompts[:4], rollouts.responses[:4],
+            rows = [[prompt_text(p), r, float(s)] for p, r, s in zip(rollouts.prompts[:4], rollouts.responses[:4],
                                                                        exp.scores[:4].tolist())]
             self.tracker.log_table("samples", ["prompt", "response", "score"], rows, step=step)
         return metrics
 
-    def reward_source_metrics(self) -> dict[str, float]:
-        """A re-tokenising reward source's count of this iteration's sequences cut to fit its
-        max_len (summed over all ranks); the count restarts every iteration."""
-        if getattr(self.reward, "tokenizer", None) is None:
-            return {}
-        truncated, self.reward.truncated = self.reward.truncated, 0
-        return {"reward_retokenize_truncated": float(self.ctx.all_reduce_sum(
-            torch.tensor(float(truncated), dtype=torch.float64)))}
+    def reward_source_metrics(self, rollouts: Rollouts) -> dict[str, float]:
+        """Each reward source's mean raw score (`reward/<name>`) over all ranks, and a re-tokenising
+        reward model's count of this iteration's sequences cut to fit its max_len (the count
+        restarts every iteration)."""
+        names = sorted(rollouts.components or {})
+        local = [rollouts.components[k].double().sum() for k in names]
+        truncated = self.reward.take_truncated()
+        sums = self.ctx.all_reduce_sum(torch.stack([*local, torch.tensor(float(truncated), dtype=torch.float64)]))
+        metrics = {f"reward/{k}": float(v) / self.experience_size for k, v in zip(names, sums.tolist())}
+        if self.reward.retokenizes:
+            metrics["reward_retokenize_truncated"] = float(sums[-1])
+        return metrics
 
-    def check_reward_spread(self, metrics: dict[str, float]) -> None:
+    def check_reward_spread(self, rollouts: Rollouts) -> None:
         """Without the reward stage's score_std to check at load (no summary.json, or normalisation
-        off), check the spread of the first iteration's raw scores instead."""
-        if self.config.reward and not self.config.reward_fn and self.reward.normalization is None:
-            warn_if_degenerate(self.config.reward, metrics["score_std"], "the first iteration's rollouts")
+        off), check the spread of the first iteration's reward-model scores instead."""
+        if self.config.reward and self.reward.model_normalization is None and rollouts.components:
+            raw = global_scores(rollouts.components[REWARD_MODEL], self.ctx)
+            warn_if_degenerate(self.config.reward, float(raw.std(unbiased=False)), "the first iteration's rollouts")
 
     def save_checkpoint(self, step: int) -> None:
         """Resume state after `step` iterations, every --save-interval iterations (and at the end
@@ -458,18 +597,21 @@ class PPOTrainer:
         loop_state: dict[str, Any] = {"step": step, "iteration": step, "kl_coef": self.kl_ctl.value}
         if self.ema is not None:
             loop_state["ema"] = self.ema.state_dict()
-        self.checkpointer.save(step, {"actor": self.actor, "critic": self.critic}, loop_state)
+        self.checkpointer.save(step, self.engines, loop_state)
 
     def finish(self) -> dict[str, Any]:
-        """Export actor, critic (and EMA actor), write summary.json and DONE; returns the summary."""
+        """Export the actor, the critic if any (and the EMA actor), write summary.json and DONE;
+        returns the summary."""
         ctx, output = self.ctx, self.output
         export_model(self.actor, output / "model", self.tokenizer)
-        export_model(self.critic, output / "critic", self.tokenizer)
+        if self.critic is not None:
+            export_model(self.critic, output / "critic", self.tokenizer)
         if self.ema is not None:
             full = self.ema.full_state_dict(self.actor.model)
             export_state_dict(self.actor.model, ctx, full if ctx.is_main else {}, output / "model_ema", self.tokenizer)
         summary = {
-            "stage": "ppo", "iterations": self.total_iterations, "world_size": ctx.world_size,
+            "stage": "ppo", "advantage_estimator": self.config.advantage_estimator,
+            "samples_per_prompt": self.group_size, "iterations": self.total_iterations, "world_size": ctx.world_size,
             "inference_tp_size": self.tp.size, "train_seconds": time.perf_counter() - self.started,
             "prompts": len(self.prompts.ids), "data": self.prompts.stats,
             **{k: v for k, v in self.last_metrics.items() if isinstance(v, (int, float))},
@@ -478,21 +620,27 @@ class PPOTrainer:
         return summary
 
 
-def experience_metrics(exp: Experience, ctx: DistributedContext) -> dict[str, float]:
-    """Score, reward, length and value statistics over the global experience batch."""
+def experience_metrics(exp: Experience, ctx: DistributedContext, has_critic: bool) -> dict[str, float]:
+    """Score, reward, length (and value) statistics over the global experience batch."""
     mask = exp.action_mask
     lengths = mask.sum(-1).float()
     seq_reward = (exp.rewards * mask).sum(-1)
+    advantages = exp.advantages.double() * mask
     local = torch.stack([
-        exp.scores.sum(), (exp.scores ** 2).sum(), seq_reward.sum(), lengths.sum(),
-        torch.tensor(float(len(exp)), device=exp.scores.device),
-    ]).double()
+        exp.scores.double().sum(), (exp.scores.double() ** 2).sum(), seq_reward.double().sum(), lengths.double().sum(),
+        torch.tensor(float(len(exp)), dtype=torch.float64, device=exp.scores.device), advantages.sum(),
+        (advantages ** 2).sum(),
+    ])
     tot = ctx.all_reduce_sum(local)
-    n = float(tot[4])
+    n, tokens = float(tot[4]), max(float(tot[3]), 1.0)
     score_mean = float(tot[0]) / n
     score_var = max(float(tot[1]) / n - score_mean ** 2, 0.0)
-    return {
+    advantage_mean = float(tot[5]) / tokens
+    metrics = {
         "score_mean": score_mean, "score_std": score_var ** 0.5, "reward_total": float(tot[2]) / n,
-        "response_length": float(tot[3]) / n,
-        "value_explained_variance": float(explained_variance(exp.old_values, exp.returns, mask)),
+        "response_length": float(tot[3]) / n, "advantage_mean": advantage_mean,
+        "advantage_std": max(float(tot[6]) / tokens - advantage_mean ** 2, 0.0) ** 0.5,
     }
+    if has_critic:
+        metrics["value_explained_variance"] = float(explained_variance(exp.old_values, exp.returns, mask))
+    return metrics

@@ -1,11 +1,17 @@
-"""Where PPO's scores come from: a reward source gives one number per rollout.
+"""Where PPO's scores come from: a weighted sum of reward sources, each one number per rollout.
 
-Every source has one method, `score(sequences, attention_mask, prompts, responses) -> [B]`
-(`prompts`: each row's chat messages, `responses`: the decoded responses): model sources read the
-token ids, rule-based sources the texts (the prompt's last user turn and the response). Two
-exist: a frozen reward model (`--reward`) and a built-in task's ground-truth checker
-(`--reward-fn`). A source also says how its raw scores are normalised before they enter the
-reward (`normalization`: (mean, std), or None for raw scores).
+Every source has a `name` (its metrics are `reward/<name>`) and one method,
+`score(sequences, attention_mask, prompts, responses, fields) -> [B]` (`prompts`: each row's chat
+messages, `responses`: the decoded responses, `fields`: each prompt row's other data columns):
+model sources read the token ids, function sources the texts. Two kinds exist: a frozen reward
+model (`--reward`, named "reward_model") and reward functions (`--reward-fn`: a built-in task's
+checker or a user's Python function, `rlhf.reward_functions`). A source also says how its raw
+scores are normalised before they are weighted (`normalization`: (mean, std), or None for raw).
+
+`WeightedReward` is what PPO scores with: sum_i w_i * normalised_i(raw_i) over the --reward model
+(first, when given) and each --reward-fn in order, the weights from --reward-weights (default all
+1). It keeps the last batch's raw score of every source in `components` for the logs. A weight of
+0 logs a source without training on it.
 
 A reward model whose tokenizer differs from the actor's cannot read the actor's ids: its source
 re-renders each (prompt messages, response) pair with the reward model's own tokenizer and chat
@@ -20,7 +26,7 @@ metric shows it).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,9 +37,11 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
 from rlhf.data.formats import Message
 from rlhf.data.retokenize import retokenize_for_reward, same_vocabulary
+from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import load_value_model
+from rlhf.reward_functions import RewardFunction, load_reward_functions, prompt_text
 
 log = get_logger(__name__)
 
@@ -44,13 +52,20 @@ log = get_logger(__name__)
 DEGENERATE_SCORE_STD = 1e-2
 
 
+# The reward model's source name (a reward function called so is renamed reward_model_2).
+REWARD_MODEL = "reward_model"
+
+Fields = list[dict[str, Any]] | None  # one dict of extra data columns per row; None: no columns
+
+
 class RewardSource(Protocol):
     """Scores this rank's rollouts: [B] float32 on the rollouts' device, one per sequence."""
 
+    name: str
     normalization: tuple[float, float] | None
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str]) -> torch.Tensor: ...
+              responses: list[str], fields: Fields = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -67,9 +82,10 @@ class RewardModelSource:
     tokenizer: Any = None
     max_len: int = 0
     truncated: int = 0
+    name: str = REWARD_MODEL
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str]) -> torch.Tensor:
+              responses: list[str], fields: Fields = None) -> torch.Tensor:
         if self.tokenizer is None:
             return self.model.scores(sequences, attention_mask)
         ids, mask, truncated = retokenize_for_reward(prompts, responses, self.tokenizer, self.max_len)
@@ -78,17 +94,83 @@ class RewardModelSource:
 
 
 @dataclass
-class TaskRewardSource:
-    """A built-in task's checker (`rlhf.data.tasks`): score(prompt text, response text)."""
+class FunctionRewardSource:
+    """A reward function (a built-in task's checker or a user's): scores the last user turn's text,
+    the response and the row's data columns. Raw scores, never normalised."""
 
-    task: Any
-    device: torch.device
+    function: RewardFunction
+    normalization: tuple[float, float] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
+              responses: list[str], fields: Fields = None) -> torch.Tensor:
+        rows = fields if fields is not None else [{} for _ in responses]
+        values = self.function([prompt_text(p) for p in prompts], responses, rows)
+        return torch.tensor(values, dtype=torch.float32, device=sequences.device)
+
+
+def normalized(raw: torch.Tensor, normalization: tuple[float, float] | None) -> torch.Tensor:
+    """(raw - mean) / std with a source's (mean, std); raw scores when None."""
+    return raw if normalization is None else (raw - normalization[0]) / max(normalization[1], 1e-6)
+
+
+@dataclass
+class WeightedReward:
+    """The reward PPO scores with: sum_i weights[i] * normalized(sources[i]'s raw scores), float32 [B].
+
+    `components` holds the last call's raw scores per source name (this rank's; [B] each) for the
+    `reward/<name>` metrics. Its scores are already normalised: `normalization` is None (the reward
+    model's own is `model_normalization`). `retokenizes` and `take_truncated()` report a
+    re-tokenising reward model's cuts."""
+
+    sources: list[RewardSource]
+    weights: list[float]
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
     normalization: tuple[float, float] | None = None
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str]) -> torch.Tensor:
-        texts = [p[-1]["content"] for p in prompts]  # the last user turn, what the tasks check against
-        return torch.tensor([self.task.score(p, r) for p, r in zip(texts, responses)], device=self.device)
+              responses: list[str], fields: Fields = None) -> torch.Tensor:
+        total = torch.zeros(len(responses), dtype=torch.float32, device=sequences.device)
+        components = {}
+        for source, weight in zip(self.sources, self.weights, strict=True):
+            raw = source.score(sequences, attention_mask, prompts, responses, fields).float().to(sequences.device)
+            components[source.name] = raw
+            total += weight * normalized(raw, source.normalization)
+        self.components = components
+        return total
+
+    @property
+    def names(self) -> list[str]:
+        return [source.name for source in self.sources]
+
+    @property
+    def model_source(self) -> RewardModelSource | None:
+        """The --reward model's source, or None when only functions give the reward."""
+        return next((s for s in self.sources if isinstance(s, RewardModelSource)), None)
+
+    @property
+    def model_normalization(self) -> tuple[float, float] | None:
+        """The reward model's (mean, std) from its summary.json, or None (raw, or no reward model)."""
+        model = self.model_source
+        return None if model is None else model.normalization
+
+    @property
+    def retokenizes(self) -> bool:
+        """Whether the reward model re-renders rollouts in its own tokenizer (it counts cuts then)."""
+        model = self.model_source
+        return model is not None and model.tokenizer is not None
+
+    def take_truncated(self) -> int:
+        """Sequences the re-tokenising reward model cut to fit since the last call (0 without one);
+        the count restarts."""
+        model = self.model_source
+        if model is None:
+            return 0
+        truncated, model.truncated = model.truncated, 0
+        return truncated
 
 
 def reward_statistics(reward_path: str, normalize: bool) -> tuple[float, float] | None:
@@ -118,12 +200,38 @@ def warn_if_degenerate(reward_path: str, score_std: float, where: str) -> bool:
     return True
 
 
-def build_reward_source(config: PPOConfig, ctx: DistributedContext, tokenizer: Any, dtype: str) -> RewardSource:
-    """The source that --reward-fn or --reward names (the task checker wins when both are given)."""
-    if config.reward_fn:
-        from rlhf.data.tasks import get_task
+def check_reward_sources(config: PPOConfig) -> list[RewardFunction]:
+    """Load every --reward-fn (files, modules and functions checked) and check --reward-weights'
+    count, before any model is loaded; the functions go to `build_reward_source`."""
+    functions = load_reward_functions(config.reward_fn, reserved=[REWARD_MODEL])
+    names = ([REWARD_MODEL] if config.reward else []) + [f.name for f in functions]
+    if not names:
+        raise UserError("no reward source: pass --reward (a reward model folder) and/or --reward-fn "
+                        "(a built-in task, path/to/file.py:function or package.module:function)")
+    if config.reward_weights and len(config.reward_weights) != len(names):
+        raise UserError(f"--reward-weights {','.join(f'{w:g}' for w in config.reward_weights)}: "
+                        f"{len(config.reward_weights)} weights for {len(names)} reward sources ({', '.join(names)}); "
+                        "give one weight per source, the --reward model first, then each --reward-fn in order")
+    return functions
 
-        return TaskRewardSource(get_task(config.reward_fn), ctx.device)
+
+def build_reward_source(config: PPOConfig, ctx: DistributedContext, tokenizer: Any, dtype: str,
+                        functions: list[RewardFunction] | None = None) -> WeightedReward:
+    """The weighted reward over the --reward model (when given) and each --reward-fn in order.
+    `functions`: from `check_reward_sources` (loaded again here when None)."""
+    if functions is None:
+        functions = check_reward_sources(config)
+    sources: list[RewardSource] = [FunctionRewardSource(f) for f in functions]
+    if config.reward:
+        sources.insert(0, build_reward_model_source(config, ctx, tokenizer, dtype))
+    weights = list(config.reward_weights) or [1.0] * len(sources)
+    log.info("reward = %s", " + ".join(f"{w:g} * {s.name}" for w, s in zip(weights, sources)))
+    return WeightedReward(sources, weights)
+
+
+def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokenizer: Any,
+                              dtype: str) -> RewardModelSource:
+    """The frozen --reward model, re-tokenising rollouts when its tokenizer differs from the actor's."""
     reward_tok = load_tokenizer(config.reward, "--reward")
     retokenize = not same_vocabulary(reward_tok, tokenizer)
     if retokenize:
@@ -136,6 +244,7 @@ def build_reward_source(config: PPOConfig, ctx: DistributedContext, tokenizer: A
 
 
 __all__ = [
-    "DEGENERATE_SCORE_STD", "RewardModelSource", "RewardSource", "TaskRewardSource", "build_reward_source",
+    "DEGENERATE_SCORE_STD", "REWARD_MODEL", "FunctionRewardSource", "RewardModelSource", "RewardSource",
+    "WeightedReward", "build_reward_model_source", "build_reward_source", "check_reward_sources", "normalized",
     "reward_statistics", "warn_if_degenerate",
 ]

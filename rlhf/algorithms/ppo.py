@@ -8,6 +8,8 @@ Conventions shared by every function here:
   `sum(x * mask) / sum(mask)`, TRL's `masked_mean`); an empty mask gives 0, never NaN.
 - Outputs that are [B, T] are 0 outside the mask, so a stray padding value can never leak
   into a loss or a statistic.
+- Losses are token means by default; `aggregate_loss` also gives the sequence-level means of
+  GRPO/GSPO and Dr. GRPO's constant normaliser (verl's `agg_loss` modes).
 - Statistics are computed in float32 whatever the input dtype (bf16 log-probs included);
   whitening's sums, which may be all-reduced over ranks, in float64.
 
@@ -15,7 +17,9 @@ References: InstructGPT (Ouyang et al. 2022) and Ziegler et al. 2019 for the per
 penalty and the adaptive KL coefficient; DeepSpeed-Chat (`ppo_trainer.py`) and TRL
 (`ppo_trainer.py`, `core.py`) for the reward placement, GAE and the clipped losses; verl
 (`core_algos.py`) for GAE that skips masked positions; J. Schulman, "Approximating KL
-divergence" (2020) for the k1/k2/k3 estimators.
+divergence" (2020) for the k1/k2/k3 estimators; DAPO (Yu et al. 2025) for clip-higher, GSPO
+(Zheng et al. 2025) for the sequence-level ratio, Dr. GRPO (Liu et al. 2025) for the constant
+loss normaliser, GRPO (Shao et al. 2024) for KL as a loss term.
 """
 
 from __future__ import annotations
@@ -171,26 +175,111 @@ def gae_advantages(
     return advantages, returns
 
 
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_range: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO clipped surrogate loss (Schulman et al. 2017), token mean over the mask.
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""How a [B, T] per-token loss becomes a scalar (verl's `loss_agg_mode` names)."""
 
-    loss = mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))), ratio = exp(logp - old_logp),
-    as DeepSpeed-Chat's `actor_loss_fn` and TRL. Also returns, detached: clipfrac (share of tokens
-    where the clipped term is the active one) and approx_kl = mean(0.5 * (logp - old_logp)**2)
-    (TRL's `approxkl`).
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, normalizer: float | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar over the mask (verl's `agg_loss`).
+
+    - "token-mean": mean over every masked token of the batch (PPO, DAPO): long responses weigh
+      more, in proportion to their length.
+    - "seq-mean-token-mean": each row's masked token mean, then the mean over rows (GRPO as in
+      DeepSeekMath, GSPO); rows with an empty mask are left out of the row count, as verl.
+    - "seq-mean-token-sum-norm": each row's masked token SUM divided by the constant `normalizer`
+      (e.g. max_new_tokens), then the mean over rows (Dr. GRPO, Liu et al. 2025, Listing 1; TRL's
+      `loss_type="dr_grpo"`). A constant divisor removes GRPO's length bias. verl's `agg_loss`
+      sums over rows instead of averaging, a factor of B that we leave to the learning rate.
+    An empty mask gives 0, never NaN.
     """
-    log_ratio = logprobs.to(torch.float32) - old_logprobs.to(torch.float32)
-    ratio = torch.exp(log_ratio)
+    if mode == "token-mean":
+        return masked_mean(per_token, mask)
+    mask_f = mask.to(torch.float32)
+    row_sums = (per_token.to(torch.float32) * mask_f).sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        row_counts = mask_f.sum(dim=-1)
+        nonempty = (row_counts > 0).to(torch.float32)
+        return (row_sums / row_counts.clamp(min=1.0)).sum() / nonempty.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if normalizer is None or normalizer <= 0:
+            raise ValueError(f"loss aggregation 'seq-mean-token-sum-norm' needs a normalizer > 0, got {normalizer}")
+        return row_sums.mean() / normalizer if row_sums.numel() else row_sums.sum()
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token log-ratio [B, T]: sg(log s_i) + logp - sg(logp), log s_i the row's mean log-ratio.
+
+    Zheng et al. 2025 ("Group Sequence Policy Optimization", eq. 13-14): s_i = (pi / pi_old)(y_i)
+    ^ (1 / |y_i|). Every token's ratio has the value s_i, and its gradient is s_i * grad logp_t,
+    so with a sequence-level advantage the surrogate's gradient is the sequence objective's.
+    """
+    logprobs = logprobs.to(torch.float32)
+    log_ratio = logprobs - old_logprobs.to(torch.float32)
+    log_seq_ratio = masked_mean(log_ratio, mask, dim=-1).detach().unsqueeze(-1)
+    return log_seq_ratio + logprobs - logprobs.detach()
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_range: float,
+    clip_range_high: float | None = None,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clipped surrogate loss (Schulman et al. 2017), aggregated over the mask.
+
+    loss = agg(max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))), ratio =
+    exp(logp - old_logp), as DeepSpeed-Chat's `actor_loss_fn` and TRL. Options the critic-free
+    methods use:
+    - `clip_range_high` (None: `clip_range`): DAPO's clip-higher, a wider upper bound so
+      low-probability tokens can still grow (Yu et al. 2025).
+    - `aggregation`/`normalizer`: see `aggregate_loss` (default: token mean).
+    - `ratio_level="sequence"`: GSPO's sequence-level ratio (see `gspo_log_ratio`),
+      clipped like the token one; verl's `compute_policy_loss_gspo`.
+    Also returns, detached and as token means over the mask: clipfrac (share of tokens where the
+    clipped term is the active one) and approx_kl = mean(0.5 * (logp - old_logp)**2) (TRL's
+    `approxkl`, from the token log-ratios whatever `ratio_level`).
+    """
+    logprobs = logprobs.to(torch.float32)
+    log_ratio = logprobs - old_logprobs.to(torch.float32)
+    if ratio_level == "token":
+        ratio = torch.exp(log_ratio)
+    elif ratio_level == "sequence":
+        ratio = torch.exp(gspo_log_ratio(logprobs, old_logprobs, mask))
+    else:
+        raise ValueError(f"unknown ratio level {ratio_level!r}; expected 'token' or 'sequence'")
+    high = clip_range if clip_range_high is None else clip_range_high
     advantages = advantages.to(torch.float32)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation, normalizer)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(torch.float32), mask)
         approx_kl = masked_mean(0.5 * log_ratio.square(), mask)
     return loss, clipfrac, approx_kl
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kind: KLKind,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> Tensor:
+    """KL(policy || reference) as a loss term (GRPO, Shao et al. 2024; verl's `use_kl_loss`).
+
+    Instead of a penalty in the reward, beta * this is added to the policy loss; GRPO uses the
+    "k3" estimator. The gradient flows through `logprobs` only (the reference is a constant).
+    Aggregated like the policy loss (`aggregate_loss`).
+    """
+    per_token = kl_estimate(logprobs, ref_logprobs.detach(), kind)
+    return aggregate_loss(per_token, mask, aggregation, normalizer)
 
 
 def value_loss(

@@ -20,13 +20,16 @@ response. Prompt and response are rendered separately so the boundary between th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlhf.data.sources import RawRow
 from rlhf.errors import UserError
 
 Message = dict[str, str]
+
+# Columns the formats read; every other column of a row is kept in ParsedRow.fields.
+CONSUMED_FIELDS = frozenset({"prompt", "messages", "text", "response", "completion", "chosen", "rejected", "margin"})
 
 _TURN = re.compile(r"(?:^|\n)\s*(Human|Assistant):", re.MULTILINE)
 
@@ -40,6 +43,9 @@ class ParsedRow:
     chosen: str | None = None
     rejected: str | None = None
     margin: float | None = None
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The row's other columns (all but CONSUMED_FIELDS), e.g. a ground-truth `answer` that a reward
+    function reads."""
 
 
 def parse_dialog(text: str, where: str) -> list[Message]:
@@ -90,7 +96,13 @@ def _response_text(value: Any, where: str, field: str) -> str:
 
 
 def parse_row(row: RawRow) -> ParsedRow:
-    """Recognise the row's format; raise a UserError naming file, row and field when malformed."""
+    """Recognise the row's format; raise a UserError naming file, row and field when malformed.
+    The columns no format reads are kept in `fields`."""
+    parsed = _parse_format(row)
+    return replace(parsed, fields={k: v for k, v in row.data.items() if k not in CONSUMED_FIELDS})
+
+
+def _parse_format(row: RawRow) -> ParsedRow:
     d, where = row.data, row.where
     margin = d.get("margin")
     if margin is not None and not isinstance(margin, (int, float)):

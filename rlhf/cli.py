@@ -220,7 +220,7 @@ def format_e2e_summary(summary: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    keys = ["rm_eval_accuracy", "sft_task_success", "ppo_task_success", "ppo_gain_points", "sft_seconds",
+    keys = ["advantage_estimator", "rm_eval_accuracy", "sft_task_success", "ppo_task_success", "ppo_gain_points", "sft_seconds",
             "reward_seconds", "ppo_seconds", "eval_seconds", "total_seconds"]
     lines = [f"e2e summary ({summary.get('output')}):"]
     lines += [f"  {k:<18} {fmt(summary[k])}" for k in keys if k in summary and summary[k] is not None]

@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="group size of the critic-free estimators")
     parser.add_argument("--model", default=None, help="policy folder (default: the peer's tiny policy with "
                         "--peer-trl, else a tiny Llama built here)")
+    parser.add_argument("--zero-stage", default=None, help="the engine's ZeRO stage (default: rlhf ppo's)")
     parser.add_argument("--peer-trl", action="store_true", help="also run TRL's rate script, in this invocation")
     return parser.parse_args()
 
@@ -75,9 +76,12 @@ def build_models(args: argparse.Namespace, root: Path) -> Path:
 
 
 def write_prompts(tokenizer: object, path: Path, count: int, prompt_len: int) -> None:
-    """Random lowercase prompts whose rendered (chat template) form is exactly prompt_len tokens."""
-    overhead = len(tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
-                                                           add_generation_prompt=True)).input_ids)
+    """Random lowercase prompts whose rendered form (chat template, or the plain fallback of a
+    tokenizer without one) is prompt_len tokens."""
+    from rlhf.data.formats import render_prompt
+    from rlhf.data.tokenization import encode_prompt
+
+    overhead = len(encode_prompt(render_prompt([{"role": "user", "content": ""}], tokenizer), tokenizer))
     rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(count):
@@ -118,7 +122,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--micro-batch-size", str(args.micro_batch_size), "--max-new-tokens", str(args.new_tokens),
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
-        "--lr", "1e-5", "--temperature", "1.0",
+        "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
     ])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     phases = ("generation_s", "reward_s", "experience_s", "training_s")

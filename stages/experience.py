@@ -22,7 +22,7 @@ class Experience:
     sequences: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, T]
     action_mask: torch.Tensor  # [B, T-1] bool: response tokens
-    old_logprobs: torch.Tensor  # [B, T-1]
+    old_logprobs: torch.Tensor | None  # [B, T-1]; None: the update is on-policy, the trained forward's own
     ref_logprobs: torch.Tensor  # [B, T-1]
     old_values: torch.Tensor  # [B, T-1]
     rewards: torch.Tensor  # [B, T-1]
@@ -35,7 +35,8 @@ class Experience:
         return self.sequences.shape[0]
 
     def select(self, index: torch.Tensor | slice) -> "Experience":
-        return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                             for f in fields(self)})
 
 
 def shaped_scores(
@@ -53,7 +54,7 @@ def build_experience(
     sequences: torch.Tensor,
     attention_mask: torch.Tensor,
     action_mask_full: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor,
     values_full: torch.Tensor | None,
     raw_scores: torch.Tensor,
@@ -72,11 +73,16 @@ def build_experience(
     critic-free estimators, whose group baseline is already in `scores`): each token's advantage
     is the return that follows it (discounted_returns) and `returns` equal it. `raw_scores` are
     kept for the metrics, `scores` (normalised, penalised, baselined) go into the reward; a KL that
-    goes into the loss instead passes kl_coef 0 here. Advantages are whitened over the masked
+    goes into the loss instead passes kl_coef 0 here, and then `old_logprobs` may be None (an
+    on-policy update reads the trained forward's own log-probs; `kl` is then 0 here and measured
+    in the update). Advantages are whitened over the masked
     tokens of every rank (`all_reduce`) when `whiten_advantages`.
     """
     mask = action_mask_full[:, 1:].bool()
-    rewards, kl = compute_token_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, kl_kind, reward_clip)
+    if old_logprobs is None and kl_coef:
+        raise ValueError("a KL penalty in the reward needs the rollout policy's log-probs")
+    rewards, kl = compute_token_rewards(scores, ref_logprobs if old_logprobs is None else old_logprobs, ref_logprobs,
+                                        mask, kl_coef, kl_kind, reward_clip)
     if values_full is not None:
         values = values_full[:, :-1].float() * mask
         advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)

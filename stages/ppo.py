@@ -44,7 +44,8 @@ from tqdm import tqdm
 from rlhf.algorithms.advantages import group_baseline_scores, overlong_penalty, varied_groups, whitens_advantages
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.algorithms.ppo import (
-    AdaptiveKLController, FixedKLController, explained_variance, kl_loss, masked_mean, policy_loss, value_loss,
+    AdaptiveKLController, FixedKLController, explained_variance, kl_estimate, kl_loss, masked_mean, policy_loss,
+    value_loss,
 )
 from rlhf.config import PPOConfig
 from rlhf.data.batching import BatchPlan, collate_sft, pad_left
@@ -239,6 +240,7 @@ class PPOTrainer:
         )
         self.last_metrics: dict[str, float] = {}
         self.critic_seconds = 0.0
+        self.policy_kl_sum = 0.0
         self.started = time.perf_counter()
 
     def load_data(self) -> None:
@@ -302,7 +304,7 @@ class PPOTrainer:
         self.started = time.perf_counter()
         for iteration in range(self.start_iteration, self.total_iterations):
             seconds: dict[str, float] = {}
-            self.critic_seconds = 0.0
+            self.critic_seconds = self.policy_kl_sum = 0.0
             rollouts = self.collect_rollouts(iteration, seconds)
             with timed(seconds, "experience_s"):
                 exp = self.make_experience(rollouts)
@@ -415,14 +417,26 @@ class PPOTrainer:
                               dynamic_sampling_kept_fraction=min(n_kept, wanted) / wanted)
         return result
 
+    @property
+    def on_policy_update(self) -> bool:
+        """One pass over the experience in one minibatch with no KL in the reward: the policy that is
+        trained is the one that generated, so the rollout policy's log-probs are the trained
+        forward's own (detached) and their separate forward pass is skipped (as TRL's GRPO does
+        with num_iterations 1)."""
+        config = self.config
+        no_reward_kl = config.kl_in_loss or (config.kl_coef == 0 and not config.adaptive_kl)
+        return config.ppo_epochs == 1 and config.engine.train_batch_size == self.experience_size and no_reward_kl
+
     @torch.no_grad()
-    def score_policy(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Old (actor) and reference log-probs and the critic's values (None without a critic), in
-        micro-batches."""
+    def score_policy(self, rollouts: Rollouts) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Old (actor) log-probs (None for an on-policy update), reference log-probs and the
+        critic's values (None without a critic), in micro-batches."""
         seq, attn = rollouts.sequences, rollouts.attention_mask
         slices = micro_batch_slices(len(seq), self.config.engine.micro_batch_size)
         self.actor.eval()
-        old_logprobs = torch.cat([causal_lm_logprobs(self.actor.model, seq[s], attn[s])[0] for s in slices])
+        old_logprobs = None
+        if not self.on_policy_update:
+            old_logprobs = torch.cat([causal_lm_logprobs(self.actor.model, seq[s], attn[s])[0] for s in slices])
         ref_logprobs = self.ref.logprobs(seq, attn)
         values = None
         if self.critic is not None:
@@ -495,7 +509,12 @@ class PPOTrainer:
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
         logprobs, logits = causal_lm_logprobs(actor.model, exp.sequences, exp.attention_mask)
         low, high = config.clip_bounds
-        p_loss, clipfrac, approx_kl = policy_loss(logprobs, exp.old_logprobs, exp.advantages, exp.action_mask, low,
+        old_logprobs = exp.old_logprobs
+        if old_logprobs is None:  # on-policy: the rollout policy is this forward's (ratio 1, gradient kept)
+            old_logprobs = logprobs.detach()
+            kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
+            self.policy_kl_sum += float(kl.sum())
+        p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, exp.action_mask, low,
                                                   high, aggregation, normalizer, config.importance_ratio)
         loss, metrics = p_loss, {"clipfrac": float(clipfrac), "approx_kl": float(approx_kl)}
         if config.kl_in_loss:
@@ -535,8 +554,12 @@ class PPOTrainer:
         return loss_sum / count.clamp(min=1)
 
     def update_kl_controller(self, exp: Experience) -> float:
-        """Mean KL per sequence over all ranks, fed to the KL controller (adaptive KL moves its coefficient)."""
-        kl = float(self.ctx.all_reduce_sum(mean_kl_per_sequence(exp).detach().double())) / self.ctx.world_size
+        """Mean KL per sequence over all ranks (from the experience, or measured in an on-policy
+        update), fed to the KL controller (adaptive KL moves its coefficient)."""
+        if exp.old_logprobs is None:
+            kl = float(self.ctx.all_reduce_sum(self.policy_kl_sum)) / self.experience_size
+        else:
+            kl = float(self.ctx.all_reduce_sum(mean_kl_per_sequence(exp).detach().double())) / self.ctx.world_size
         self.kl_ctl.update(kl, self.experience_size)
         return kl
 

@@ -118,29 +118,21 @@ def select_rows(rollouts: Rollouts, rows: list[int]) -> Rollouts:
     return replace(rollouts, **picked)
 
 
-def to_cpu(rollouts: Rollouts) -> Rollouts:
-    """A copy whose tensors live on the CPU (what gather_rollouts sends)."""
-    moved = {f.name: getattr(rollouts, f.name).cpu() for f in fields(rollouts)
-             if torch.is_tensor(getattr(rollouts, f.name))}
+def moved(rollouts: Rollouts, device: torch.device | str) -> Rollouts:
+    """A copy whose tensors live on `device` (gather_rollouts sends CPU copies)."""
+    moved_tensors: dict[str, Any] = {f.name: getattr(rollouts, f.name).to(device) for f in fields(rollouts)
+                                     if torch.is_tensor(getattr(rollouts, f.name))}
     if rollouts.components is not None:
-        moved["components"] = {k: v.cpu() for k, v in rollouts.components.items()}
-    return replace(rollouts, **moved)
-
-
-def to_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
-    moved = {f.name: getattr(rollouts, f.name).to(device) for f in fields(rollouts)
-             if torch.is_tensor(getattr(rollouts, f.name))}
-    if rollouts.components is not None:
-        moved["components"] = {k: v.to(device) for k, v in rollouts.components.items()}
-    return replace(rollouts, **moved)
+        moved_tensors["components"] = {k: v.to(device) for k, v in rollouts.components.items()}
+    return replace(rollouts, **moved_tensors)
 
 
 def gather_rollouts(rollouts: Rollouts, ctx: DistributedContext, pad_token_id: int) -> Rollouts:
     """Every rank's rollouts, in rank order (= slot order), on every rank."""
     if ctx.world_size == 1:
         return rollouts
-    parts = ctx.all_gather_object(to_cpu(rollouts))
-    return to_device(merge_rollouts(parts, pad_token_id), rollouts.sequences.device)
+    parts = ctx.all_gather_object(moved(rollouts, "cpu"))
+    return moved(merge_rollouts(parts, pad_token_id), rollouts.sequences.device)
 
 
 def group_rows(groups: list[int], group_size: int) -> list[int]:

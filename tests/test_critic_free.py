@@ -19,6 +19,11 @@ ANSWER_REWARD = '''
 def contains_answer(prompt: str, response: str, answer: str) -> float:
     """1 when the response contains the row's answer."""
     return float(answer in response)
+
+
+def answer_share(prompt: str, response: str, answer: str) -> float:
+    """The share of the response's characters that are in the answer: a dense reward."""
+    return sum(c in answer for c in response) / max(len(response), 1)
 '''
 
 
@@ -83,6 +88,26 @@ def test_dapo_options_run(tiny_model_dirs, answer_prompts, reward_file, tmp_path
     assert all(1 <= r["dynamic_sampling_rounds"] <= 4 for r in rows)
     assert all(0.0 <= r["dynamic_sampling_kept_fraction"] <= 1.0 for r in rows)
     assert "kl_loss" not in rows[0]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_on_policy_update_skips_the_old_logprob_pass_and_matches_it(tiny_model_dirs, answer_prompts, reward_file,
+                                                                    tmp_path):
+    """One epoch, one minibatch, no KL in the reward: the old log-probs are the trained forward's own.
+    --adaptive-kl at coefficient 0 (which stays 0) forces the separate pass; both runs must agree."""
+    common = ["--advantage-estimator", "grpo", "--max-steps", "2", "--kl-placement", "reward", "--kl-coef", "0"]
+    model = tiny_model_dirs["llama"]
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "bcd" * (i % 3 + 1), "answer": "abcdefghijklm"}
+                                                     for i in range(64)])
+    for name, extra in (("fast", []), ("slow", ["--adaptive-kl"])):
+        args = grpo_args(model, data, reward_file, tmp_path / name, *common, *extra)
+        args[args.index("--reward-fn") + 1] = f"{reward_file}:answer_share"
+        main(args)
+    fast, slow = read_metrics(tmp_path / "fast"), read_metrics(tmp_path / "slow")
+    for a, b in zip(fast, slow):
+        for key in ("score_mean", "kl", "policy_loss", "actor_grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert fast[0]["actor_grad_norm"] > 0 and fast[1]["kl"] > 0  # it learned: the policy moved from the reference
 
 
 def test_group_estimator_needs_groups(tiny_model_dirs, answer_prompts, reward_file, tmp_path, capsys):

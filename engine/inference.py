@@ -17,6 +17,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES, apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
+from rlhf.engine.prompt_sharing import shared_prompt_logprobs
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -53,10 +54,16 @@ class FrozenModel:
         self.name = name
 
     @torch.no_grad()
-    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Log-prob of each next token ([B, T-1]); the model must be a causal LM."""
-        parts = [causal_lm_logprobs(self.model, sequences[s], attention_mask[s])[0]
-                 for s in micro_batch_slices(len(sequences), self.micro_batch_size)]
+    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+        """Log-prob of each next token ([B, T-1]); the model must be a causal LM. With
+        `shared_prefix` > 0, rows that share their first shared_prefix columns (a sampled group's
+        prompt) run them once (`shared_prompt_logprobs`; positions before it are then 0)."""
+        slices = micro_batch_slices(len(sequences), self.micro_batch_size)
+        if shared_prefix > 0:
+            parts = [shared_prompt_logprobs(self.model, sequences[s], attention_mask[s], shared_prefix)[0]
+                     for s in slices]
+        else:
+            parts = [causal_lm_logprobs(self.model, sequences[s], attention_mask[s])[0] for s in slices]
         return torch.cat(parts)
 
     @torch.no_grad()

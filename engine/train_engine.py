@@ -141,6 +141,22 @@ class TrainEngine:
                 grads.append(g.to_local() if hasattr(g, "to_local") else g)
         return grads
 
+    def _clip_gradients(self, params: list[torch.Tensor]) -> float:
+        """Clip to --grad-clip (when > 0) and return the total gradient norm. On one process the
+        local gradients are the whole ones, so the norm and the scaling run over plain tensors
+        (torch's DTensor path costs ~40 ms a step in dispatch for a 39-tensor model on a CPU)."""
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        if self.ctx.world_size == 1:
+            grads = self._local_grads()
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if grads and max_norm < float("inf"):  # torch's clip_grads_with_norm_ coefficient
+                torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            return float(norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
     def step(self) -> StepResult:
         """Optimizer step at an accumulation boundary: unscale, overflow check, clip, step, schedule."""
         if not self.is_accumulation_boundary:
@@ -152,11 +168,7 @@ class TrainEngine:
             grads = self._local_grads()
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
+        grad_norm = self._clip_gradients(params)
         overflow = not torch.isfinite(torch.tensor(grad_norm)).item()
         if self.scaler is not None:
             self.scaler.update(overflow)

@@ -192,6 +192,8 @@ class PPOConfig(RunConfig):
     """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to --overlong-penalty linearly (0: off)."""
     overlong_penalty: float = bounded(1.0, ge=0)
     """The overlong penalty at max_new_tokens (DAPO: 1.0)."""
+    share_prompt_forward: bool = True
+    """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (its keys/values copied to the group's rows; same log-probs and gradients up to rounding)."""
     actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
     critic_zero_stage: ZeroStage | None = None

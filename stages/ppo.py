@@ -60,6 +60,7 @@ from rlhf.engine.export import export_model, export_state_dict
 from rlhf.engine.inference import FrozenModel, causal_lm_logprobs, micro_batch_slices
 from rlhf.engine.logprobs import entropy_from_logits_chunked
 from rlhf.engine.positions import position_ids_from_mask
+from rlhf.engine.prompt_sharing import response_prefix, shared_prompt_logprobs
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
@@ -434,10 +435,11 @@ class PPOTrainer:
         seq, attn = rollouts.sequences, rollouts.attention_mask
         slices = micro_batch_slices(len(seq), self.config.engine.micro_batch_size)
         self.actor.eval()
+        prefix = self.shared_prefix(rollouts.action_mask)
         old_logprobs = None
         if not self.on_policy_update:
-            old_logprobs = torch.cat([causal_lm_logprobs(self.actor.model, seq[s], attn[s])[0] for s in slices])
-        ref_logprobs = self.ref.logprobs(seq, attn)
+            old_logprobs = torch.cat([self.policy_forward(seq[s], attn[s], prefix)[0] for s in slices])
+        ref_logprobs = self.ref.logprobs(seq, attn, prefix)
         values = None
         if self.critic is not None:
             started = time.perf_counter()
@@ -445,6 +447,22 @@ class PPOTrainer:
             values = torch.cat([critic_values(self.critic.model, seq[s], attn[s]) for s in slices])
             self.critic_seconds += time.perf_counter() - started
         return old_logprobs, ref_logprobs, values
+
+    def shared_prefix(self, action_mask: torch.Tensor) -> int:
+        """How many leading columns a group's rows can share in the forwards (none hold a response
+        token; [B, T] action mask of the full sequences); 0: no sharing (--no-share-prompt-forward,
+        or one sample per prompt)."""
+        if not self.config.share_prompt_forward or self.group_size < 2:
+            return 0
+        return response_prefix(action_mask)
+
+    def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prefix: int,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The actor's log-probs [B, T-1] (and entropy), each shared prompt run once when prefix > 0."""
+        if prefix > 0:
+            return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, prefix, with_entropy)
+        logprobs, logits = causal_lm_logprobs(self.actor.model, sequences, attention_mask)
+        return logprobs, entropy_from_logits_chunked(logits[:, :-1]) if with_entropy else None
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global
@@ -507,7 +525,10 @@ class PPOTrainer:
         bonus, PTX) and the critic (value loss)."""
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
-        logprobs, logits = causal_lm_logprobs(actor.model, exp.sequences, exp.attention_mask)
+        # exp.action_mask is shifted (position t scores token t + 1): its first response column is one less.
+        shifted = self.shared_prefix(exp.action_mask)
+        prefix = shifted + 1 if shifted else 0
+        logprobs, entropy = self.policy_forward(exp.sequences, exp.attention_mask, prefix, with_entropy=True)
         low, high = config.clip_bounds
         old_logprobs = exp.old_logprobs
         if old_logprobs is None:  # on-policy: the rollout policy is this forward's (ratio 1, gradient kept)
@@ -521,11 +542,11 @@ class PPOTrainer:
             kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
             loss = loss + self.kl_ctl.value * kl_term
             metrics["kl_loss"] = float(kl_term.detach())
-        entropy = masked_mean(entropy_from_logits_chunked(logits[:, :-1]), exp.action_mask)
+        entropy = masked_mean(entropy, exp.action_mask)
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * entropy
         if self.ptx_rows:
-            ptx = self.ptx_loss(len(exp), ptx_seed, logits.device)
+            ptx = self.ptx_loss(len(exp), ptx_seed, logprobs.device)
             loss = loss + config.ptx_coef * ptx
             metrics["ptx_loss"] = float(ptx.detach())
         actor.backward(loss)

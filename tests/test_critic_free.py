@@ -13,7 +13,7 @@ import torch
 
 from rlhf.cli import main
 from rlhf.stages.rollouts import Rollouts, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs
-from tests.conftest import one_and_two_rank_metrics, read_metrics, write_jsonl
+from tests.conftest import one_and_two_rank_metrics, read_metrics, run_cli, write_jsonl
 
 ANSWER_REWARD = '''
 def contains_answer(prompt: str, response: str, answer: str) -> float:
@@ -110,6 +110,20 @@ def test_on_policy_update_skips_the_old_logprob_pass_and_matches_it(tiny_model_d
     assert fast[0]["actor_grad_norm"] > 0 and fast[1]["kl"] > 0  # it learned: the policy moved from the reference
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_shared_prompt_forward_matches_the_plain_one(tiny_model_dirs, answer_prompts, reward_file, tmp_path):
+    """--share-prompt-forward (the default) runs each group's prompt once in the actor's training
+    forward and the reference's; the run must match --no-share-prompt-forward."""
+    model = tiny_model_dirs["qwen2"]  # tied embeddings
+    common = ["--advantage-estimator", "grpo", "--max-steps", "2", "--ppo-epochs", "2", "--micro-batch-size", "8"]
+    main(grpo_args(model, answer_prompts, reward_file, tmp_path / "shared", *common))
+    main(grpo_args(model, answer_prompts, reward_file, tmp_path / "plain", *common, "--no-share-prompt-forward"))
+    shared, plain = read_metrics(tmp_path / "shared"), read_metrics(tmp_path / "plain")
+    for a, b in zip(shared, plain):
+        for key in ("score_mean", "kl", "kl_loss", "policy_loss", "actor_grad_norm", "entropy", "approx_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
+
+
 def test_group_estimator_needs_groups(tiny_model_dirs, answer_prompts, reward_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(grpo_args(tiny_model_dirs["llama"], answer_prompts, reward_file, tmp_path / "x", "--advantage-estimator",
@@ -142,6 +156,23 @@ def test_groups_spanning_ranks_match_one_rank(tiny_model_dirs, answer_prompts, r
     for key in ("score_mean", "score_std", "response_length", "kl", "advantage_mean", "advantage_std"):
         assert two[key] == pytest.approx(one[key], abs=1e-4), key
     assert one["advantage_std"] > 0.1  # the group really had different scores
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_dynamic_sampling_on_two_ranks(tiny_model_dirs, answer_prompts, reward_file, tmp_path):
+    """Groups of 4 over two ranks of 2 rows each (tp 1: each rank samples its half of a group):
+    the kept groups are gathered from both ranks and dealt out again."""
+    out = tmp_path / "two"
+    args = grpo_args(tiny_model_dirs["llama"], answer_prompts, reward_file, out, "--advantage-estimator", "grpo",
+                     "--max-steps", "2", "--dynamic-sampling", "--seed", "1")
+    args[args.index("--generation-batch-size") + 1] = "2"
+    args[args.index("--samples-per-prompt") + 1] = "4"
+    args[args.index("--micro-batch-size") + 1] = "2"
+    done = run_cli(args, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(1 <= r["dynamic_sampling_rounds"] <= 4 for r in rows)
+    assert all(r["dynamic_sampling_kept_fraction"] in (0.0, 1.0) for r in rows)  # one group per iteration
 
 
 # ------------------------------------------------------------------ the layout helpers

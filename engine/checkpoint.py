@@ -7,7 +7,11 @@ Layout under <output>/checkpoints/:
     latest                    name of the newest complete checkpoint (replaced atomically)
 
 A checkpoint is written to `step_N.tmp/` and renamed once every rank has finished, so an
-interrupted save never shadows the previous good one.
+interrupted save never shadows the previous good one. A checkpoint is complete when it holds
+DCP's `.metadata` (written after every shard) and rank 0's host state; resume takes the one
+`latest` names when it is complete, else the newest complete one, so a broken or missing
+`latest` never makes a run start over while a usable checkpoint exists. Folders are deleted by
+renaming them to `*.old` first, so a deletion cut short leaves nothing that looks usable.
 """
 
 from __future__ import annotations
@@ -55,6 +59,42 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's shards
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a `step_N` folder; None for any other name (`step_N.tmp`, `step_N.old`, `latest`)."""
+    prefix, _, number = path.name.partition("_")
+    return int(number) if prefix == "step" and number.isdigit() else None
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint resume can load: DCP's index and rank 0's host state (the last files a save
+    writes before the rename). Catches folders damaged after the rename: a partial copy, a
+    deletion by hand."""
+    return (checkpoint_step(path) is not None and (path / METADATA).is_file()
+            and (path / "host_rank0.pt").is_file())
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Every complete checkpoint under `root`, oldest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint folder: renamed to `*.old` first (atomic), then removed, so an
+    interrupted deletion never leaves a half-deleted `step_N` behind."""
+    if not path.name.endswith((".tmp", ".old")):
+        doomed = path.with_name(path.name + ".old")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        path = doomed
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class Checkpointer:
     """Saves and restores the state of a stage's engines plus its loop position."""
 
@@ -64,12 +104,26 @@ class Checkpointer:
         self.keep = max(1, keep)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        marker = self.root / "latest"
-        if not marker.is_file():
+        """The checkpoint to resume from: the one `latest` names when it is complete, else the
+        newest complete one (with a warning); None when there is none."""
+        named = self._named_latest()
+        if named is not None and is_complete(named):
+            return named
+        complete = complete_checkpoints(self.root)
+        if not complete:
             return None
-        path = self.root / marker.read_text().strip()
-        return path if path.is_dir() else None
+        what = "is missing" if named is None else f"names {named.name}, which is missing or incomplete"
+        log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.root / "latest", what,
+                    complete[-1].name)
+        return complete[-1]
+
+    def _named_latest(self) -> Path | None:
+        """The folder the `latest` file names, or None when the file is absent or unreadable."""
+        try:
+            name = (self.root / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return self.root / name if name and "/" not in name and name not in (".", "..") else None
 
     def save(self, step: int, engines: dict[str, TrainEngine], loop_state: dict[str, Any]) -> Path:
         """Write a checkpoint for optimizer step `step` (collective: every rank calls it)."""
@@ -89,19 +143,31 @@ class Checkpointer:
         torch.save(host, tmp / f"host_rank{self.ctx.rank}.pt")
         self.ctx.barrier()
         if self.ctx.is_main:
-            shutil.rmtree(final, ignore_errors=True)
+            if final.exists():  # a step redone after resuming from an earlier checkpoint
+                discard(final)
             os.replace(tmp, final)
             write_text_atomic(self.root / "latest", final.name)
-            self._prune(keep_name=final.name)
+            self._prune(step)
         self.ctx.barrier()
         log.info("checkpoint saved: %s", final)
         return final
 
-    def _prune(self, keep_name: str) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[: max(0, len(done) - self.keep)]:
-            if old.name != keep_name:
-                shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, saved_step: int) -> None:
+        """Delete what no resume can use once step `saved_step` is saved: leftovers of interrupted
+        saves and deletions (`*.tmp`, `*.old`), incomplete checkpoints before it, and complete
+        ones beyond the newest `keep` up to it. Checkpoints after it (a run resumed from an earlier
+        one) are left alone: their steps are redone and replaced one by one."""
+        for path in self.root.iterdir():
+            if not path.is_dir():
+                continue
+            step = checkpoint_step(path)
+            if path.name.startswith("step_") and path.name.endswith((".tmp", ".old")):
+                discard(path)
+            elif step is not None and step < saved_step and not is_complete(path):
+                discard(path)
+        complete = [p for p in complete_checkpoints(self.root) if (checkpoint_step(p) or 0) <= saved_step]
+        for old in complete[: max(0, len(complete) - self.keep)]:
+            discard(old)
 
     def load(self, path: Path, engines: dict[str, TrainEngine]) -> dict[str, Any]:
         """Restore engines, RNG and return the saved loop state (collective)."""

@@ -128,8 +128,12 @@ class EngineConfig:
     """fp16 dynamic scaling: overflows tolerated before the scale is halved."""
     min_loss_scale: float = bounded(1.0, gt=0)
     """fp16 dynamic scaling: the scale never drops below this."""
+    max_skipped_steps: int = bounded(10, ge=0)
+    """Stop the run (no model, no DONE; checkpoints already saved are kept) after this many optimizer steps in a row were skipped for a non-finite (NaN/inf) loss or gradient; with fp16 dynamic scaling only overflows at min_loss_scale count. 0 never stops: every such step is skipped and counted."""
     seed: int = bounded(42, ge=0)
     """Seed of model init, data order, dropout and sampling."""
+    dist_timeout: float = bounded(600.0, gt=0)
+    """Seconds a collective may wait for the other ranks, and how long a rank may make no progress (stopped, hung, host gone) before every other rank stops the job with one line naming it."""
 
     def validate(self, where: str = "config") -> None:
         """Rules between fields, checked once after every source is applied (each field's own

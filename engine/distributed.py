@@ -3,22 +3,90 @@
 Nothing else in the project reads RANK/WORLD_SIZE or calls init_process_group. A single process
 without torchrun still gets a (1-rank) process group, so FSDP2 and DCP code paths are the same at
 every world size.
+
+Collectives time out after `--dist-timeout` seconds (EngineConfig.dist_timeout; the app passes it
+with `set_dist_timeout` before a stage creates the group), and a multi-process job runs a
+`StallWatchdog` (engine/watchdog.py) that stops every rank within that time when one rank stops
+making progress, with one line naming it.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from rlhf.engine.config import EngineConfig
+from rlhf.engine.watchdog import StallWatchdog, claim_report, test_stall_hook
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
+
+_dist_timeout: float = EngineConfig().dist_timeout
+_watchdog: StallWatchdog | None = None
+
+
+def set_dist_timeout(seconds: float) -> None:
+    """The collective timeout (and stall limit) of the process group the next `initialize` creates."""
+    global _dist_timeout
+    _dist_timeout = float(seconds)
+
+
+def claim_error_report() -> bool:
+    """Whether this rank prints the job's one error line: True alone, else only for the first rank
+    of the job to ask (the others exit quietly with the same code)."""
+    if _watchdog is None:
+        return True
+    return claim_report(_watchdog.store, _watchdog.prefix)
+
+
+def is_multi_process() -> bool:
+    """A process group of several ranks exists."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def stall_verdict() -> str | None:
+    """After a collective timed out: the line naming each peer whose heartbeat stopped for half the
+    timeout or more ('rank 1 (pid 123 on host) made no progress for 600 s (--dist-timeout 600):
+    ...'); None when none is known (no watchdog, or every peer is alive and one is hung inside the
+    job, which the collective's own error then reports)."""
+    if _watchdog is None:
+        return None
+    stalled = _watchdog.silent_peers(min_age=_watchdog.timeout / 2)
+    return _watchdog.verdict(stalled) if stalled else None
+
+
+def exit_job(code: int) -> None:
+    """End this rank of a failed multi-process job at once, its error already printed: stalled
+    peers on this host are killed (a stopped one would hold torchrun's teardown 30 s), and the
+    process exits without running teardown that could wait on a dead peer. torchrun (or the
+    peers' watchdogs) stop the other ranks."""
+    if _watchdog is not None:
+        for rank in _watchdog.silent_peers(min_age=_watchdog.timeout / 2):
+            _watchdog.kill_if_local(rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_watchdog() -> None:
+    """After the job's last collective (every rank passed it), before the group is torn down."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def _start_watchdog(rank: int, world_size: int, timeout: float) -> None:
+    global _watchdog
+    if world_size > 1 and "MASTER_ADDR" in os.environ and _watchdog is None:
+        _watchdog = StallWatchdog(rank, world_size, timeout).start()
 
 
 @dataclass(frozen=True)
@@ -55,8 +123,10 @@ class DistributedContext:
     _replicate_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
-    def initialize(cls, timeout_minutes: float = 30.0) -> "DistributedContext":
-        """Join (or create) the default process group from torchrun's environment, or alone."""
+    def initialize(cls, timeout_s: float | None = None) -> "DistributedContext":
+        """Join (or create) the default process group from torchrun's environment, or alone.
+        `timeout_s` (default: `set_dist_timeout`'s, else EngineConfig.dist_timeout) bounds every
+        collective; with several ranks the stall watchdog starts with the same limit."""
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         use_cuda = torch.cuda.is_available() and os.environ.get("RLHF_FORCE_CPU") != "1"
         if use_cuda:
@@ -70,9 +140,11 @@ class DistributedContext:
             device = torch.device("cpu")
         backend = "nccl" if use_cuda else "gloo"
         if not dist.is_initialized():
-            timeout = datetime.timedelta(minutes=timeout_minutes)
+            seconds = timeout_s if timeout_s is not None else _dist_timeout
+            timeout = datetime.timedelta(seconds=seconds)
             if "MASTER_ADDR" in os.environ:
                 dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+                _start_watchdog(dist.get_rank(), dist.get_world_size(), seconds)
             else:
                 # A lone process: an in-memory store, so no port is opened.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -130,6 +202,7 @@ class DistributedContext:
     def all_reduce_sum(self, value: float | torch.Tensor) -> torch.Tensor:
         """Sum a scalar or tensor over all ranks (returns a new tensor on this rank's device)."""
         t = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).to(self.device).clone()
+        test_stall_hook(self.rank)
         if self.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
@@ -157,9 +230,15 @@ class DistributedContext:
         return out
 
     def shutdown(self) -> None:
-        """Tear the process group down; every rank must call it (it waits for all of them first,
-        so that no rank closes gloo's connections while a peer is still receiving)."""
-        if dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            dist.destroy_process_group()
+        """Tear the process group down; every rank must call it (see `shutdown_process_group`)."""
+        shutdown_process_group()
+
+
+def shutdown_process_group() -> None:
+    """Wait for every rank (so that no rank closes gloo's connections while a peer is still
+    receiving), stop the stall watchdog, then tear the default group down; collective."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        stop_watchdog()
+        dist.destroy_process_group()

@@ -1,4 +1,6 @@
-"""Export a trained model in Hugging Face format (config + model.safetensors + tokenizer)."""
+"""Export a trained model in Hugging Face format (config + model.safetensors + tokenizer).
+
+Every tensor is checked before anything is written: no output model ever holds a NaN/inf."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.train_engine import TrainEngine
+from rlhf.engine.train_engine import NonFiniteTrainingError, TrainEngine, first_non_finite
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -29,10 +31,22 @@ def export_model(engine: TrainEngine, directory: str | Path, tokenizer: Any | No
     export_state_dict(engine.model, engine.ctx, state_dict, directory, tokenizer)
 
 
+def check_finite_state_dict(ctx: DistributedContext, state_dict: dict[str, Any], directory: Path) -> None:
+    """Refuse, on every rank alike, a state dict (full on rank 0) holding a NaN/inf (collective)."""
+    bad = ctx.broadcast_object(first_non_finite(state_dict.items()) if ctx.is_main else None)
+    if bad is not None:
+        raise NonFiniteTrainingError(
+            f"{directory}: not written, the model's tensor {bad} holds NaN/inf (training diverged); "
+            "train again with a lower --lr or with --grad-clip 1.0"
+        )
+
+
 def export_state_dict(
     model: nn.Module, ctx: DistributedContext, state_dict: dict[str, Any], directory: Path, tokenizer: Any | None
 ) -> None:
-    """Rank 0 writes `state_dict` with `model`'s config into `directory` (replacing it atomically)."""
+    """Rank 0 writes `state_dict` with `model`'s config into `directory` (replacing it atomically),
+    once every tensor of it is known to be finite."""
+    check_finite_state_dict(ctx, state_dict, directory)
     if ctx.is_main:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,16 +40,19 @@ from typing import Literal, Protocol
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
-from rlhf.engine.kv_cache import RolloutKVCache
+from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, kv_cache_bytes
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.sampling import SamplingParams, sample_next_token
+from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["GenerationOutput", "SamplingParams", "generate", "group_index", "prefill", "decode_step", "select_runner"]
+__all__ = ["GenerationOutput", "GenerationTooLarge", "SamplingParams", "check_generation_fits", "check_rollout_fits",
+           "generate", "group_index", "prefill", "decode_step", "select_runner"]
 
 
 @dataclass
@@ -221,13 +224,61 @@ def group_index(samples_per_prompt: int | torch.Tensor, batch: int, device: torc
     return torch.arange(batch, device=device).repeat_interleave(samples_per_prompt)
 
 
-def _warn_past_max_positions(model: nn.Module, prompt_len: int, max_new: int) -> None:
-    max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if max_positions is not None and prompt_len + max_new > max_positions:
-        log.warning(
-            "prompt width %d + max_new_tokens %d exceeds the model's max_position_embeddings %d",
-            prompt_len, max_new, max_positions,
-        )
+class GenerationTooLarge(UserError, ValueError):
+    """A rollout that cannot run: more positions than the model has, or a KV cache larger than the
+    memory left. Raised before anything is allocated (the CLI prints it as one line)."""
+
+
+def _tp_size(param: torch.Tensor) -> int:
+    """The tensor-parallel degree of a rollout-mode parameter (a rank caches only its own heads)."""
+    mesh = getattr(param, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_generation_fits(
+    config: PretrainedConfig, rows: int, prompt_len: int, max_new_tokens: int, dtype: torch.dtype,
+    device: torch.device, tp_size: int = 1, where: str = "generate()",
+) -> None:
+    """Refuse, with the numbers, a rollout of `rows` sequences of `prompt_len` + `max_new_tokens`
+    tokens that exceeds the model's max_position_embeddings or whose KV cache (`kv_cache_bytes`)
+    exceeds the memory `device` has available; a model past its positions computes garbage, and
+    an oversized cache is found out by the kernel's OOM killer, not by an exception."""
+    total = prompt_len + max_new_tokens
+    max_positions = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_positions is not None and total > max_positions:
+        raise GenerationTooLarge(
+            f"{where}: prompt {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens exceed the model's "
+            f"max_position_embeddings {max_positions}; lower --max-new-tokens (or --max-prompt-len)")
+    need = kv_cache_bytes(config, rows, total, dtype, tp_size)
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        raise GenerationTooLarge(
+            f"{where}: the KV cache of {rows} sequences x {total} tokens ({dtype}) needs {_gib(need)} but {device} has "
+            f"{_gib(free)} available; lower --generation-batch-size, --max-new-tokens or --max-prompt-len")
+
+
+def check_rollout_fits(
+    model_dir: str, rows: int, prompt_len: int, max_new_tokens: int, dtype: str, device: torch.device,
+    tp_size: int = 1, where: str = "config",
+) -> None:
+    """`check_generation_fits` from a model folder's config.json and an engine dtype name ("auto",
+    "bf16", ...), before any model is loaded: a stage refuses an impossible rollout at start. A
+    folder that cannot be read is left to the model loader, whose error names it."""
+    from transformers import AutoConfig
+
+    from rlhf.engine.fsdp import COMPUTE_DTYPES, resolve_dtype
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return
+    check_generation_fits(config, rows, prompt_len, max_new_tokens, COMPUTE_DTYPES[resolve_dtype(dtype, device)],
+                          device, tp_size, where)
 
 
 @torch.no_grad()
@@ -257,7 +308,10 @@ def generate(
     if model.training:
         log.warning("generate() called on a model in training mode: dropout makes rollouts noisy")
     prompt_len = input_ids.shape[1]
-    _warn_past_max_positions(model, prompt_len, params.max_new_tokens)
+    rows = input_ids.shape[0] if index is None else index.numel()
+    param = next(model.parameters())
+    check_generation_fits(model.config, rows, prompt_len, params.max_new_tokens, param.dtype, input_ids.device,
+                          _tp_size(param))
     # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
     prompt_positions = position_ids_from_mask(attention_mask)
     runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast)

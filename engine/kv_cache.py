@@ -21,6 +21,9 @@ prompt is never run N times.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticSlidingWindowLayer, get_layer_types_and_kwargs
@@ -130,3 +133,57 @@ class RolloutKVCache(Cache):
                 total += layer.keys.numel() * layer.keys.element_size()
                 total += layer.values.numel() * layer.values.element_size()
         return total
+
+
+def kv_cache_bytes(config: PretrainedConfig, rows: int, max_len: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of keys and values a rollout of `rows` sequences x `max_len` tokens allocates per rank
+    (every layer as full attention: an upper bound for sliding-window layers). Computed from the
+    config alone, so the size can be refused before anything is allocated."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * -(-kv_heads // tp_size) * head_dim * dtype.itemsize
+    return rows * max_len * per_token
+
+
+def _cgroup_memory_left() -> int | None:
+    """The container's memory limit minus its usage (cgroup v2, then v1), or None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            if limit_text == "max" or int(limit_text) >= 1 << 60:
+                return None
+            return int(limit_text) - int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory an allocation on `device` can still take: free GPU memory (torch.cuda.mem_get_info),
+    or the host's available memory (psutil, else /proc/meminfo) within the container's limit;
+    None where it cannot be told."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # Blocks torch's caching allocator holds but does not use are free to it too.
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    host: int | None = None
+    try:
+        import psutil
+
+        host = int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    host = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    container = _cgroup_memory_left() if os.name == "posix" else None
+    known = [m for m in (host, container) if m is not None]
+    return min(known) if known else None

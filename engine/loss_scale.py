@@ -39,6 +39,13 @@ class LossScaler:
             remaining_hysteresis=hysteresis,
         )
 
+    @property
+    def exhausted(self) -> bool:
+        """True when another overflow cannot be absorbed by lowering the scale (a static scale, or a
+        dynamic one already at min_scale): the engine then counts the skipped step towards
+        --max-skipped-steps, as it does every non-finite step without fp16."""
+        return not self.dynamic or self.scale <= self.min_scale
+
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             self.step_count += 1

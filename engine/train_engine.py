@@ -11,10 +11,19 @@ Usage in a stage (DeepSpeed-style boundaries, but the engine owns them):
 
 `loss` is the micro-batch loss normalised so that the mean over grad_accum micro-batches and over
 data-parallel ranks is the global-batch loss (see `global_normalizer`).
+
+Non-finite training: a NaN/inf loss poisons its gradients (see `backward`), so one test of the
+global gradient norm decides on every rank alike whether a step is skipped. With fp16 the loss
+scaler absorbs overflows as DeepSpeed does; a skip it cannot absorb (and every skip without fp16)
+counts towards `max_skipped_steps` in a row, after which `NonFiniteTrainingError` stops the run
+before anything is exported. An optimizer step that makes a parameter non-finite stops it at once:
+the weights cannot be restored, and no checkpoint or model may hold them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +46,40 @@ from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
+
+ADVICE = ("lower --lr (or --weight-decay), clip gradients with --grad-clip 1.0, train in bf16 or fp32 rather than "
+          "fp16, or check the data")
+
+
+class NonFiniteTrainingError(UserError):
+    """Training produced NaN/inf that skipping steps cannot repair: the run stops with one line,
+    exports no model, writes no DONE, and leaves its checkpoints as they were."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element finite (one pass, no host sync).
+    The inf-norm is each tensor's largest |value|, so it cannot overflow as a 2-norm of large but
+    finite values would, and NaN propagates through it."""
+    tensors = [t.detach() for t in tensors if t.numel() > 0 and not t.is_meta]
+    if not tensors:
+        return torch.tensor(True)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    flags = [torch.isfinite(torch.stack(torch._foreach_norm(ts, ord=float("inf")))).all() for ts in by_device.values()]
+    return flags[0] if len(flags) == 1 else torch.stack([f.cpu() for f in flags]).all()
+
+
+def first_non_finite(named: Iterable[tuple[str, Any]]) -> str | None:
+    """The name of the first tensor holding a NaN/inf (non-tensors are skipped), or None."""
+    named = [(n, t) for n, t in named if torch.is_tensor(t) and t.is_floating_point()]
+    if bool(all_finite(_local(t) for _, t in named)):
+        return None
+    return next(n for n, t in named if not bool(all_finite([_local(t)])))
 
 
 def resolve_batch_size(config: EngineConfig, dp_size: int, where: str = "config") -> None:
@@ -68,7 +111,7 @@ class StepResult:
     """What one optimizer step did."""
 
     stepped: bool
-    """False when the step was skipped (fp16 overflow or a non-finite gradient norm)."""
+    """False when the step was skipped (fp16 overflow, or a non-finite loss or gradient norm)."""
     grad_norm: float
     lr: float
     loss_scale: float | None
@@ -82,6 +125,10 @@ class TrainEngine:
         name: str = "model",
     ) -> None:
         resolve_batch_size(config, ctx.world_size)
+        bad = first_non_finite(model.named_parameters())
+        if bad is not None:
+            raise UserError(f"{name}: the model to train holds NaN/inf weights (first: {bad}), as a diverged run "
+                            "leaves them; start from another model or retrain this one")
         self.config = config
         self.ctx = ctx
         self.name = name
@@ -104,6 +151,11 @@ class TrainEngine:
         self.micro_step = 0
         self.global_step = 0
         self.skipped_steps = 0
+        self.consecutive_skipped = 0
+        """Skipped steps in a row that the loss scaler could not absorb (see `_count_skip`)."""
+        self._all_true = torch.ones((), dtype=torch.bool, device=ctx.device)
+        self._loss_finite = self._all_true
+        """This rank's micro-batch losses since the last step were all finite (read only on a skip)."""
 
     # ------------------------------------------------------------------ train loop
 
@@ -125,9 +177,16 @@ class TrainEngine:
             self.model.set_requires_gradient_sync(self.plan.sync_grads_every_micro_step or last)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
+        """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling).
+
+        A NaN/inf loss is multiplied by NaN (a finite one by exactly 1.0, which changes no bit), so
+        its gradients are NaN even where the loss's own gradient would be finite (a NaN added as a
+        constant): the global gradient norm then carries the verdict to every rank, with no host
+        sync here and no extra collective in `step`."""
         self._set_gradient_sync()
-        scaled = loss.float() / self.grad_accum
+        finite = torch.isfinite(loss.detach().float())
+        self._loss_finite = self._loss_finite & finite
+        scaled = loss.float() / self.grad_accum * torch.where(finite, 1.0, float("nan"))
         if self.scaler is not None:
             scaled = scaled * self.scaler.scale
         scaled.backward()
@@ -169,18 +228,50 @@ class TrainEngine:
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         grad_norm = self._clip_gradients(params)
-        overflow = not torch.isfinite(torch.tensor(grad_norm)).item()
+        overflow = not math.isfinite(grad_norm)
+        counted = overflow and (self.scaler is None or self.scaler.exhausted)
         if self.scaler is not None:
             self.scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            log.warning("%s: step %d skipped, gradient norm is %s", self.name, self.global_step, grad_norm)
-        else:
+        if not overflow:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        if overflow:
+            self._count_skip(grad_norm, counted)
+        else:
+            self.consecutive_skipped = 0
+            self._check_parameters(lr)
+        self._loss_finite = self._all_true
         return StepResult(stepped=not overflow, grad_norm=grad_norm, lr=lr, loss_scale=scale)
+
+    def _count_skip(self, grad_norm: float, counted: bool) -> None:
+        """Log a skipped step; stop after max_skipped_steps in a row that the scaler could not absorb."""
+        self.skipped_steps += 1
+        self.consecutive_skipped += int(counted)
+        cause = "gradient norm" if bool(self._loss_finite) else "loss (so every gradient)"
+        limit = self.config.max_skipped_steps
+        log.warning("%s: step %d skipped, the %s is %s (%d skipped in a row, --max-skipped-steps %d)",
+                    self.name, self.global_step, cause, grad_norm, self.consecutive_skipped, limit)
+        if limit > 0 and self.consecutive_skipped >= limit:
+            floor = " even at --min-loss-scale" if self.scaler is not None and self.scaler.dynamic else ""
+            raise NonFiniteTrainingError(
+                f"{self.name}: training stopped at step {self.global_step}: {self.consecutive_skipped} optimizer steps "
+                f"in a row were skipped because the loss or the gradients were NaN/inf{floor} "
+                f"(--max-skipped-steps {limit}); no model is written, checkpoints already saved are kept; {ADVICE}"
+            )
+
+    def _check_parameters(self, lr: float) -> None:
+        """Stop when the optimizer step just taken made a parameter NaN/inf (a step that cannot be
+        skipped any more). Every rank reads the same verdict (a max over ranks of each one's shards)."""
+        bad = ~all_finite(_local(p) for p in self.model.parameters())
+        if self.ctx.world_size > 1:
+            bad = self.ctx.all_reduce_max(bad.to(torch.int32))
+        if bool(bad):
+            raise NonFiniteTrainingError(
+                f"{self.name}: training stopped at step {self.global_step}: the optimizer step (lr {lr:g}) made "
+                f"parameters NaN/inf; no model is written, checkpoints already saved are kept; {ADVICE}"
+            )
 
     # ------------------------------------------------------------------ state
 
@@ -200,6 +291,7 @@ class TrainEngine:
             "micro_step": self.micro_step,
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
+            "consecutive_skipped": self.consecutive_skipped,
         }
 
     def load_host_state(self, state: dict[str, Any]) -> None:
@@ -209,6 +301,7 @@ class TrainEngine:
         self.micro_step = state["micro_step"]
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skipped = state.get("consecutive_skipped", 0)  # absent in older checkpoints
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated (unsharded) model state on CPU; full on rank 0, empty elsewhere."""

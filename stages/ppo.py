@@ -57,6 +57,7 @@ from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_model, export_state_dict
+from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel, causal_lm_logprobs, micro_batch_slices
 from rlhf.engine.logprobs import entropy_from_logits_chunked
 from rlhf.engine.positions import position_ids_from_mask
@@ -116,6 +117,8 @@ def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunct
     if config.ptx_data and config.ptx_coef <= 0:
         raise UserError("--ptx-data needs --ptx-coef > 0")
     ctx.tp_coordinates(config.inference_tp_size)
+    check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size, config.max_prompt_len,
+                       config.max_new_tokens, config.engine.dtype, ctx.device, config.inference_tp_size, "rlhf ppo")
     if config.engine.train_batch_size is None and config.engine.grad_accum is None:
         config.engine.train_batch_size = config.generation_batch_size * ctx.world_size  # one minibatch per PPO epoch
         config.engine.micro_batch_size = min(config.engine.micro_batch_size, config.generation_batch_size)

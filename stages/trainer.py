@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rlhf.engine.checkpoint import Checkpointer
+from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
@@ -30,8 +30,11 @@ from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.outputs import mark_done, prepare_output, write_config, write_summary
-from rlhf.tracking import Tracker
+from rlhf.outputs import (
+    RESUME_SAFE_FIELDS, is_done, mark_done, prepare_output, read_saved_config, read_summary, resume_config_changes,
+    unmark_done, write_config, write_summary,
+)
+from rlhf.tracking import MetricsFile, Tracker
 
 log = get_logger(__name__)
 
@@ -50,13 +53,86 @@ class LoopResult:
     train_seconds: float = 0.0
 
 
+class RunFinished(SystemExit):
+    """`--resume` on a finished run with nothing to add: every rank ends with exit code 0 and no
+    file is touched. (e2e never meets it: it skips finished stages itself.)"""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
-    """Check the batch arithmetic, claim the output folder (rank 0) and seed: every stage's preamble."""
+    """Check the batch arithmetic, claim the output folder (rank 0) and seed: every stage's preamble.
+
+    Every rank acts on rank 0's verdict on the folder (`claim_output`), so a refused resume ends
+    every rank with the same error line and a finished run ends every rank with RunFinished."""
     resolve_batch_size(config.engine, ctx.world_size, stage)
-    output = prepare_output(config.output, config.resume) if ctx.is_main else Path(config.output)
-    ctx.barrier()
+    verdict: tuple[str, str] = ("train", "")
+    if ctx.is_main:
+        try:
+            verdict = claim_output(config, stage)
+        except UserError as exc:
+            verdict = ("error", str(exc))
+    kind, message = ctx.broadcast_object(verdict)  # type: ignore[misc]
+    if kind == "error":
+        raise UserError(message)
+    if kind == "finished":
+        log.info("%s", message)
+        if ctx.world_size > 1:
+            ctx.shutdown()
+        raise RunFinished()
     torch.manual_seed(config.engine.seed)
-    return output
+    return Path(config.output)
+
+
+def claim_output(config: RunConfig, stage: str) -> tuple[str, str]:
+    """Rank 0: create the output folder, or check a resumed one. ("train", "") to go on;
+    ("finished", line) for a finished run that --resume has nothing to add to. Raises UserError
+    for a changed config (outside RESUME_SAFE_FIELDS), or a finished run to extend that kept no
+    checkpoint. Writes nothing but the folder itself, and DONE's removal when extending."""
+    output = prepare_output(config.output, config.resume)
+    if not config.resume:
+        return "train", ""
+    saved = read_saved_config(output)
+    changes = resume_config_changes(saved, config)
+    if changes:
+        safe = " ".join("--" + name.replace("_", "-") for name in RESUME_SAFE_FIELDS)
+        raise UserError(
+            f"--resume {output}: the config differs from its config.yaml: {'; '.join(changes)}; resume with the "
+            f"run's values or choose another --output (changeable on resume: {safe})"
+        )
+    if not is_done(output):
+        return "train", ""
+    if not extends_training(saved, output, config):
+        return "finished", (f"rlhf {stage}: {output} is already finished (DONE); nothing to do, nothing changed. "
+                            "To train further, --resume with a larger --max-steps or --epochs")
+    if not complete_checkpoints(output / "checkpoints"):
+        raise UserError(f"--resume {output}: the run is finished and kept no checkpoint to continue from (it ran "
+                        "without --save-final-checkpoint or --save-interval); choose another --output")
+    unmark_done(output)
+    log.info("--resume: extending the finished run in %s", output)
+    return "train", ""
+
+
+def extends_training(saved: dict[str, Any], output: Path, config: RunConfig) -> bool:
+    """Whether --resume asks a finished run for more steps than it took: a larger --max-steps than
+    its max_steps (or than the steps its summary.json reports, for a run measured in epochs), or
+    more --epochs when both count epochs."""
+    old_max_steps = saved.get("max_steps", -1)
+    if config.max_steps > 0:
+        done_steps = old_max_steps if old_max_steps > 0 else finished_steps(output)
+        return done_steps is not None and config.max_steps > done_steps
+    return old_max_steps <= 0 and config.epochs > saved.get("epochs", config.epochs)
+
+
+def finished_steps(output: Path) -> int | None:
+    """The steps (PPO: iterations) a finished run's summary.json reports; None when unreadable."""
+    try:
+        summary = read_summary(output)
+    except (OSError, ValueError):
+        return None
+    steps = summary.get("steps", summary.get("iterations"))
+    return steps if isinstance(steps, int) else None
 
 
 def open_run(config: RunConfig, ctx: DistributedContext, output: Path, stage: str) -> tuple[Tracker, Checkpointer]:
@@ -147,21 +223,31 @@ def resume_from_latest(
     config: RunConfig, ctx: DistributedContext, checkpointer: Checkpointer, engines: dict[str, TrainEngine],
     tracker: Tracker,
 ) -> dict[str, Any] | None:
-    """With --resume, restore the newest checkpoint (engines, optimizers, RNG) and return its loop
-    state; None when starting fresh. Metrics rows logged after the checkpoint's step are removed,
-    since those steps run again (nothing is logged twice)."""
-    latest = checkpointer.latest() if config.resume else None
+    """With --resume, restore the newest complete checkpoint (engines, optimizers, RNG) and return
+    its loop state; None when starting fresh. Metrics and sample rows logged after the
+    checkpoint's step (after step 0 when there is no checkpoint) are removed first, since those
+    steps run again (nothing is logged twice)."""
+    if not config.resume:
+        return None
+    latest = checkpointer.latest()
     if latest is None:
-        if config.resume:
-            log.info("--resume: no checkpoint in %s, starting from scratch", checkpointer.root)
+        log.info("--resume: no complete checkpoint in %s, starting from scratch", checkpointer.root)
+        drop_rows_after(tracker, 0, ctx)
         return None
     loop_state = checkpointer.load(latest, engines)
     # Checkpoints from before "step" was saved: the folder is named after the step (step_00000012).
-    step = int(loop_state.get("step", latest.name.rsplit("_", 1)[-1]))
-    replayed = tracker.metrics.truncate_after(step) if ctx.is_main else 0
-    if replayed:
-        log.info("resume: %d metrics rows after step %d removed; those steps run again", replayed, step)
+    drop_rows_after(tracker, int(loop_state.get("step", latest.name.rsplit("_", 1)[-1])), ctx)
     return loop_state
+
+
+def drop_rows_after(tracker: Tracker, step: int, ctx: DistributedContext) -> None:
+    """Rank 0: remove metrics.jsonl and samples.jsonl rows logged after `step`; they run again."""
+    if not ctx.is_main:
+        return
+    for rows in (tracker.metrics, MetricsFile(tracker.metrics.path.with_name("samples.jsonl"))):
+        dropped = rows.truncate_after(step)
+        if dropped:
+            log.info("resume: %d %s rows after step %d removed; those steps run again", dropped, rows.path.name, step)
 
 
 def train_step(
@@ -234,7 +320,8 @@ def run_training(
     plan = replace(plan, world_size=ctx.world_size, rank=ctx.rank)
     loop_state = resume_from_latest(config, ctx, checkpointer, {stage: engine}, tracker)
     start_epoch, start_step = (loop_state["epoch"], loop_state["next_step_in_epoch"]) if loop_state else (0, 0)
-    result = LoopResult(global_step=engine.global_step)
+    # The checkpoint's last step metrics: the summary's train loss when no step is left to run.
+    result = LoopResult(global_step=engine.global_step, last_metrics=dict((loop_state or {}).get("metrics", {})))
     engine.train()
     bar = tqdm(total=total_steps, initial=engine.global_step, desc=stage, disable=not ctx.is_main, dynamic_ncols=True)
     started = time.perf_counter()
@@ -253,7 +340,8 @@ def run_training(
                 tracker.log({f"eval_{k}": v for k, v in eval_fn().items()}, step=gs)
             done = gs >= total_steps
             if wants_checkpoint(config, gs, done):
-                checkpointer.save(gs, {stage: engine}, {"step": gs, **next_position(plan, epoch, step_in_epoch)})
+                checkpointer.save(gs, {stage: engine},
+                                  {"step": gs, "metrics": metrics, **next_position(plan, epoch, step_in_epoch)})
             if done:
                 break
         epoch += 1

@@ -32,6 +32,8 @@ Message = dict[str, str]
 CONSUMED_FIELDS = frozenset({"prompt", "messages", "text", "response", "completion", "chosen", "rejected", "margin"})
 
 _TURN = re.compile(r"(?:^|\n)\s*(Human|Assistant):", re.MULTILINE)
+# The roles a chat message may have (those chat templates render); any other is a malformed row.
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ def _as_messages(value: Any, where: str, field: str) -> list[Message]:
             raise UserError(f"{where}: field '{field}' is empty")
         return [{"role": "user", "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        for m in value:
+            if m["role"] not in ROLES:
+                raise UserError(f"{where}: field '{field}' has a message with role {m['role']!r}; accepted roles: "
+                                f"{', '.join(ROLES)}")
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
     raise UserError(f"{where}: field '{field}' must be a string or a list of {{role, content}} messages")
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,23 @@ class RawRow:
         return f"{self.source} row {self.index}"
 
 
+def read_text_file(path: Path) -> str:
+    """The file as UTF-8 text, or one UserError naming the line of the first byte that is not
+    UTF-8 (a decoder error alone names neither the file nor the line)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror}); check the path and its permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8 or fix that row") from None
+
+
 def _read_json_rows(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text()
+    text = read_text_file(path)
     if path.suffix == ".jsonl" or (path.suffix == ".json" and not text.lstrip().startswith("[")):
         rows = []
         for line_no, line in enumerate(text.splitlines(), start=1):
@@ -51,6 +69,29 @@ def _read_json_rows(path: Path) -> list[dict[str, Any]]:
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of rows (or JSON lines)")
     return data
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """`datasets` logs an ERROR line before raising on a bad file; the UserError raised from the
+    exception says it once."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _read_failure(path: Path, kind: str, exc: Exception) -> UserError:
+    """One line for a file `datasets` could not read; a byte that is not UTF-8 named by its line."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        read_text_file(path)  # raises the UserError naming the line
+    return UserError(f"{path}: could not read as {kind}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
 
 def _dataset_rows(dataset: Any, spec: str) -> list[dict[str, Any]]:
@@ -74,9 +115,10 @@ def load_rows(spec: str) -> list[RawRow]:
             from datasets import load_dataset
 
             try:
-                rows = _dataset_rows(load_dataset(suffix[1:], data_files=str(path), split="train"), spec)
+                with _quiet_datasets():
+                    rows = _dataset_rows(load_dataset(suffix[1:], data_files=str(path), split="train"), spec)
             except Exception as exc:  # datasets raises many types for bad files
-                raise UserError(f"{path}: could not read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
+                raise _read_failure(path, suffix[1:], exc) from None
         else:
             raise UserError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl, .parquet or .csv")
     elif path.is_dir():

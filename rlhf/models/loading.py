@@ -6,11 +6,42 @@ import json
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from rlhf.errors import UserError
+from rlhf.errors import UserError, path_in_traceback
 
 _GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+# Files one of which every saved tokenizer has (fast, SentencePiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken", "merges.txt")
+
+
+def _check_tokenizer_files(name_or_path: str, flag: str) -> None:
+    """A local folder without tokenizer files fails here, naming what is missing: transformers
+    would instead try to build a slow tokenizer and ask to install sentencepiece."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{flag} {name_or_path}: folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, "
+                        "...); save the tokenizer into it (tokenizer.save_pretrained) or copy it from the base model")
+
+
+def check_model_files(name_or_path: str, flag: str = "--model") -> None:
+    """A local model folder holds config.json and tokenizer files (a hub name is left to the hub):
+    the checks `load_tokenizer` makes, for a command to run before it writes anything."""
+    _check_source(name_or_path, flag)
+    _check_tokenizer_files(name_or_path, flag)
+
+
+def _load_failure(flag: str, name_or_path: str, what: str, exc: Exception) -> UserError:
+    """One line for a model folder transformers cannot read; a truncated or corrupt weights file
+    (safetensors names no file) is named with the fix."""
+    message = " ".join(str(exc).split())[:400] or type(exc).__name__
+    if type(exc).__name__ == "SafetensorError":
+        weights = path_in_traceback(exc, (".safetensors",)) or f"{name_or_path}/*.safetensors"
+        return UserError(f"{flag} {name_or_path}: {weights} is truncated or corrupt ({message}); copy or export "
+                         "the model folder again")
+    return UserError(f"{flag} {name_or_path}: could not load {what} ({message})")
 
 
 def _check_source(name_or_path: str, flag: str) -> None:
@@ -36,6 +67,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--model") -> Any:
     pre-tokenizer can disagree with a custom tokenizer.json.)
     """
     _check_source(name_or_path, flag)
+    _check_tokenizer_files(name_or_path, flag)
     try:
         config_file = Path(name_or_path) / "tokenizer_config.json"
         if config_file.is_file():
@@ -46,8 +78,8 @@ def load_tokenizer(name_or_path: str, flag: str = "--model") -> Any:
                 tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except OSError as exc:
-        raise UserError(f"{flag} {name_or_path}: could not load a tokenizer ({str(exc).splitlines()[0]})") from None
+    except (OSError, ValueError) as exc:
+        raise _load_failure(flag, name_or_path, "a tokenizer", exc) from None
     if tokenizer.pad_token is None:
         # Decoder-only models often ship without a pad token; EOS is the usual stand-in.
         tokenizer.pad_token = tokenizer.eos_token
@@ -59,8 +91,13 @@ def load_causal_lm(name_or_path: str, flag: str = "--model") -> PreTrainedModel:
     _check_source(name_or_path, flag)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype="float32")
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{flag} {name_or_path}: could not load a causal LM ({str(exc).splitlines()[0]})") from None
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _load_failure(flag, name_or_path, "a causal LM", exc) from None
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
+            raise  # out of memory and the like: the CLI's handler says what to do
+        raise UserError(f"{flag} {name_or_path}: its weights do not match the shapes in its config.json; restore the "
+                        "config.json the weights were saved with") from None
     if getattr(model.config, "rlhf_model_type", None) == "value":
         raise UserError(f"{flag} {name_or_path}: is a reward/value model, not a causal LM")
     return model

@@ -151,6 +151,8 @@ class TrainEngine:
         self.micro_step = 0
         self.global_step = 0
         self.skipped_steps = 0
+        self.zero_gradient_streak = 0
+        self.warned_zero_gradient = False
         self.consecutive_skipped = 0
         """Skipped steps in a row that the loss scaler could not absorb (see `_count_skip`)."""
         self._all_true = torch.ones((), dtype=torch.bool, device=ctx.device)
@@ -216,6 +218,19 @@ class TrainEngine:
             norm = norm.full_tensor()
         return float(norm)
 
+    ZERO_GRADIENT_WARN_AFTER = 3
+
+    def _warn_if_nothing_learned(self, grad_norm: float) -> None:
+        """Warn (once) after ZERO_GRADIENT_WARN_AFTER steps in a row with a gradient norm of exactly
+        0: nothing is being learned. A collapsed model (too high an --lr leaves finite weights and a
+        constant output) looks like this, and so do RL batches whose rewards never differ."""
+        self.zero_gradient_streak = self.zero_gradient_streak + 1 if grad_norm == 0.0 else 0
+        if self.zero_gradient_streak == self.ZERO_GRADIENT_WARN_AFTER and not self.warned_zero_gradient:
+            self.warned_zero_gradient = True
+            log.warning("%s: gradient norm exactly 0 for %d steps in a row (step %d): nothing is learned; "
+                        "a collapsed model (lower --lr) or, in RL, rewards that never differ within a batch or group",
+                        self.name, self.ZERO_GRADIENT_WARN_AFTER, self.global_step)
+
     def step(self) -> StepResult:
         """Optimizer step at an accumulation boundary: unscale, overflow check, clip, step, schedule."""
         if not self.is_accumulation_boundary:
@@ -242,6 +257,7 @@ class TrainEngine:
         else:
             self.consecutive_skipped = 0
             self._check_parameters(lr)
+            self._warn_if_nothing_learned(grad_norm)
         self._loss_finite = self._all_true
         return StepResult(stepped=not overflow, grad_norm=grad_norm, lr=lr, loss_scale=scale)
 

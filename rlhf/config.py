@@ -114,8 +114,8 @@ class RunConfig:
     save_interval: int = bounded(0, ge=0)
     """Write a resume checkpoint every this many optimizer steps (0: none; see save_final_checkpoint)."""
     save_final_checkpoint: bool = False
-    """Also write a resume checkpoint after the last step. Off by default: a finished stage is
-    marked DONE and never resumed, and the checkpoint (model, optimizer state, RNG) is several
+    """Also write a resume checkpoint after the last step (what extending a finished run with a
+    larger max_steps/epochs resumes from). Off by default: a finished stage is marked DONE, and the checkpoint (model, optimizer state, RNG) is several
     times the exported model (1.7 GB for SFT of a 135M model); --save-interval checkpoints, what an
     interrupted run resumes from, are written either way."""
     keep_checkpoints: int = bounded(2, ge=1)

@@ -245,8 +245,12 @@ def wandb_group(run_dir: Path, ctx: DistributedContext) -> str:
 def check_model_folder(cfg: E2EConfig) -> None:
     """--model as a local folder must hold a model, checked before any stage starts; a name that is
     not a folder is left to the hub."""
-    if cfg.model and Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
-        raise UserError(f"--model {cfg.model}: folder has no config.json; give a Hugging Face model folder")
+    if cfg.model and Path(cfg.model).is_dir():
+        from rlhf.models.loading import check_model_files
+
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise UserError(f"--model {cfg.model}: folder has no config.json; give a Hugging Face model folder")
+        check_model_files(cfg.model, "--model")
 
 
 def make_base_model(cfg: E2EConfig, base: Path) -> None:
@@ -292,7 +296,8 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     # Resolved before any work is done, so that a bad stage setting fails at once.
     resolve_stage_configs(stages, deepspeed_config, file_sections, flags, source)
     sft, reward, ppo = stages["sft"], stages["reward"], stages["ppo"]
-    ctx = DistributedContext.initialize()
+    # One process group for every stage: its collective timeout is the longest any stage asks for.
+    ctx = DistributedContext.initialize(max(stage.engine.dist_timeout for stage in stages.values()))
     prepare_base_and_data(cfg, run_dir, ctx)
     group = wandb_group(run_dir, ctx)
     for stage in stages.values():

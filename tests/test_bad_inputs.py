@@ -199,6 +199,7 @@ MODELS = [
     ("ppo-critic-missing", ppo("--critic", "{root}/nope"), "nope"),
     ("ppo-reward-not-a-reward-model", ppo("--reward", "{empty_model}"), "empty_model"),
     ("e2e-model-empty-folder", [*E2E, "--model", "{empty_model}"], "folder has no config.json"),
+    ("e2e-model-without-tokenizer", [*E2E, "--model", "{no_tokenizer}"], "folder has no tokenizer files"),
     # a base model whose layers need 4 TiB: the allocation fails at once
     ("e2e-out-of-memory", [*E2E, "--tiny-hidden-size", "1048576"], "out of memory: can't allocate memory"),
 ]

@@ -325,3 +325,16 @@ def test_two_ranks_reach_the_same_verdict(tiny_model_dirs, tmp_path):
     assert results[0]["first_stepped"] is False
     assert "actor: training stopped at step 2: 2 optimizer steps in a row" in results[0]["second"]
     assert "made parameters NaN/inf" in results[0]["blown"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_collapsed_model_warns_that_nothing_is_learned(tiny_model_dirs, sft_data, tmp_path, monkeypatch):
+    """--lr 1e6 leaves finite weights and a constant output (gradient norm exactly 0): not an error,
+    but a warning (once) says nothing is learned."""
+    import rlhf.engine.train_engine as train_engine
+
+    warnings: list[str] = []
+    monkeypatch.setattr(train_engine.log, "warning", lambda msg, *args: warnings.append(msg % args))
+    main(["sft", "--model", str(tiny_model_dirs["llama"]), "--data", str(sft_data), "--output", str(tmp_path / "o"),
+          "--lr", "1e6", "--max-steps", "8", "--report-to", "none", "--micro-batch-size", "8"])
+    assert sum("gradient norm exactly 0 for 3 steps in a row" in w for w in warnings) == 1

@@ -40,13 +40,12 @@ class Experience:
 
 
 def shaped_scores(
-    raw: torch.Tensor, ended_with_eos: torch.Tensor, normalization: tuple[float, float] | None,
-    missing_eos_penalty: float, overlong: torch.Tensor | None = None,
+    weighted: torch.Tensor, ended_with_eos: torch.Tensor, missing_eos_penalty: float,
+    overlong: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Score used in the reward: normalised with (mean, std) when given, minus a penalty when EOS
-    never came, plus DAPO's (non-positive) overlong penalty when given."""
-    score = raw if normalization is None else (raw - normalization[0]) / max(normalization[1], 1e-6)
-    score = score - missing_eos_penalty * (~ended_with_eos).float()
+    """Score used in the reward: the reward sources' weighted sum (each already normalised by its
+    source), minus a penalty when EOS never came, plus DAPO's (non-positive) overlong penalty."""
+    score = weighted - missing_eos_penalty * (~ended_with_eos).float()
     return score if overlong is None else score + overlong.to(score.dtype)
 
 

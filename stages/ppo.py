@@ -387,8 +387,7 @@ class PPOTrainer:
         if config.overlong_buffer > 0:
             overlong = overlong_penalty(rollouts.response_lengths, config.max_new_tokens, config.overlong_buffer,
                                         config.overlong_penalty).to(raw.device)
-        scores = shaped_scores(raw, rollouts.ended_with_eos, self.reward.normalization, config.missing_eos_penalty,
-                               overlong)
+        scores = shaped_scores(raw, rollouts.ended_with_eos, config.missing_eos_penalty, overlong)
         rollouts.raw_scores, rollouts.components = raw, dict(self.reward.components)
         rollouts.clipped = scores.abs() > config.reward_clip
         rollouts.scores = scores.clamp(-config.reward_clip, config.reward_clip)

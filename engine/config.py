@@ -118,6 +118,8 @@ class EngineConfig:
     """Final learning rate of linear/cosine decay, as a fraction of lr."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward to save memory."""
+    compile: bool = False
+    """torch.compile each decoder layer (fuses RMSNorm/RoPE/SwiGLU/... elementwise ops; one-off compile time, ~30 s on a small CPU); off by default."""
     loss_scale: float = bounded(0.0, ge=0)
     """fp16 only: static loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: int = bounded(16, ge=0, le=64)

@@ -1,7 +1,8 @@
-"""Train mode: apply activation checkpointing and FSDP2 to a plain Hugging Face model.
+"""Train mode: apply activation checkpointing, torch.compile and FSDP2 to a plain Hugging Face model.
 
-The order is fixed (as in torchtitan): activation checkpointing per decoder layer, then
-`fully_shard` on each decoder layer, then on the root (embeddings, final norm, head). What a ZeRO
+The order is fixed (as in torchtitan): activation checkpointing per decoder layer, then (opt-in)
+torch.compile of each decoder layer, then `fully_shard` on each decoder layer, then on the root
+(embeddings, final norm, head). What a ZeRO
 stage means is written once, in `sharding_plan`; `apply_fsdp`, `TrainEngine` and `FrozenModel`
 read the plan, never the stage number.
 """
@@ -14,6 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from transformers import Cache
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
@@ -50,6 +52,41 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     config = getattr(target, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+
+
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-code recompile limit under --compile (torch's default is 8). Every decoder layer of
+every model in the process runs one code object (transformers' checkpointing wrapper of `forward`),
+so all their variants share the limit: shapes static then dynamic x grad/no-grad x trained/frozen
+params x activation checkpointing x padded or not. A PPO run with activation checkpointing reached 8;
+past the limit dynamo runs every new variant eager, with one warning."""
+
+
+def _holds_kv_cache(args: tuple, kwargs: dict) -> bool:
+    """A layer call that reads or writes a KV cache (positional for GPT-2, a keyword elsewhere)."""
+    return any(isinstance(v, Cache) for v in (*args, *kwargs.values()))
+
+
+def compile_decoder_layer(layer: nn.Module) -> None:
+    """torch.compile one decoder layer in place (`nn.Module.compile`), except its KV-cache calls.
+
+    In place, the layer keeps its type and parameter names: state dicts, DCP checkpoints and the
+    rollout copy (built from the config, never copied from a compiled layer) see the plain model,
+    unlike a `torch.compile(layer)` wrapper's `_orig_mod.` names. Layers of a class share one
+    compiled code (dynamo guards on structure, not on which layer), so the one-off cost does not grow
+    with depth; the first change of sequence length compiles once more with dynamic dims, and
+    grad/no-grad forwards compile once each. A call through a KV cache (prompt sharing's
+    prefix-then-tail forward) runs eager: the cache specialises every layer index and fill state into
+    its own graph, which would spend dynamo's recompile limit (shared by all layers) in one forward.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    layer.compile()
+    compiled, eager = layer._compiled_call_impl, layer._call_impl
+
+    def call(*args: object, **kwargs: object) -> object:
+        return eager(*args, **kwargs) if _holds_kv_cache(args, kwargs) else compiled(*args, **kwargs)
+
+    layer._compiled_call_impl = call
 
 
 @dataclass(frozen=True)
@@ -98,8 +135,11 @@ def apply_fsdp(
     dtype: str,
     offload: bool,
     gradient_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
-    """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params)."""
+    """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
+    With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
+    FSDP2's all-gather/reshard hooks stay outside the compiled code."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
         raise ValueError("offload needs sharded optimizer state: a replicated (ZeRO-0) plan cannot offload")
@@ -115,11 +155,13 @@ def apply_fsdp(
         model.to(ctx.device)
     layers = decoder_layers(model)
     for layer in layers:
+        if compile:
+            compile_decoder_layer(layer)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
     log.info(
-        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s world=%d",
-        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, ctx.world_size,
+        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s world=%d",
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, ctx.world_size,
     )
     return model
 

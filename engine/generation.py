@@ -69,6 +69,11 @@ class GenerationOutput:
     """P, the padded prompt width; generated tokens start at this column."""
     finished: torch.Tensor
     """[B] bool: the sequence emitted EOS (False where it ran into max_new_tokens)."""
+    logprobs: torch.Tensor | None = None
+    """[B, P+N] float32: each generated token's log-prob under the model's raw logits (before
+    temperature, top-k/p and the min_new_tokens EOS mask: the distribution a training forward
+    scores), at the token's column; 0 elsewhere. PPO takes them as the rollout policy's
+    log-probs instead of running the actor again."""
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -174,6 +179,14 @@ def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Liter
         _logged_fallbacks.add(reason)
         log.info("generate: using the Hugging Face forward (no fast decoder: %s)", reason)
     return HFForwardRunner(model, max_len)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] of each row ([B, V], [B] -> [B] float32), computed in fp32 as
+    the training forward's log-probs are (engine/logprobs.py)."""
+    logits = logits.float()
+    picked = logits.gather(-1, tokens[:, None]).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -346,16 +359,19 @@ def _decode(
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
     eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    token_logprobs = torch.zeros((batch, total_len), dtype=torch.float32, device=device)
 
     steps_run = max_new
     for step in range(max_new):
         col = prompt_len + step
+        raw_logits = logits
         if step < params.min_new_tokens and eos_ids.numel():
             logits = logits.index_fill(-1, eos_ids, float("-inf"))
         token = sample_next_token(logits, params, generator)
         token = torch.where(finished, params.pad_token_id, token)
         sequences[:, col] = token
         action_mask[:, col] = ~finished
+        token_logprobs[:, col] = torch.where(finished, 0.0, sampled_logprobs(raw_logits, token))
         if eos_ids.numel():
             # A broadcast compare rather than torch.isin, whose large-set path sorts.
             finished |= (token[:, None] == eos_ids).any(dim=-1)
@@ -376,4 +392,5 @@ def _decode(
         action_mask=action_mask,
         prompt_length=prompt_len,
         finished=finished,
+        logprobs=token_logprobs,
     )

@@ -17,7 +17,8 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES, apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.prompt_sharing import shared_prompt_logprobs
+from rlhf.engine.micro_batches import forward_in_micro_batches
+from rlhf.engine.prompt_sharing import response_logprobs, shared_prompt_logprobs
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -39,36 +40,43 @@ def micro_batch_slices(n: int, size: int) -> list[slice]:
 
 
 class FrozenModel:
-    """A sharded, frozen model that answers batched log-prob or score queries."""
+    """A sharded, frozen model that answers batched log-prob or score queries; `compile` compiles
+    its decoder layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
-                 micro_batch_size: int, name: str) -> None:
+                 micro_batch_size: int, name: str, compile: bool = False) -> None:
         model.requires_grad_(False)
         model.eval()
         dtype = resolve_dtype(dtype, ctx.device)
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
-        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload)
+        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile)
         self.ctx = ctx
         self.micro_batch_size = micro_batch_size
         self.name = name
 
     @torch.no_grad()
-    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
+                 response_start: int = 0) -> torch.Tensor:
         """Log-prob of each next token ([B, T-1]); the model must be a causal LM. With
-        `shared_prefix` > 0, rows that share their first shared_prefix columns (a sampled group's
-        prompt) run them once (`shared_prompt_logprobs`; positions before it are then 0)."""
-        slices = micro_batch_slices(len(sequences), self.micro_batch_size)
+        `response_start` > 0 the LM head runs only at the positions that score columns
+        response_start.. (the others are 0). With `shared_prefix` > 0, rows that share their first
+        shared_prefix columns (a sampled group's prompt) run them once (`shared_prompt_logprobs`;
+        positions before it are then 0). Micro-batches drop their all-padding columns (rows sorted
+        by length unless groups share prompts): engine/micro_batches.py."""
         if shared_prefix > 0:
-            parts = [shared_prompt_logprobs(self.model, sequences[s], attention_mask[s], shared_prefix)[0]
-                     for s in slices]
+            def forward(s: torch.Tensor, m: torch.Tensor, lo: int) -> torch.Tensor:
+                return shared_prompt_logprobs(self.model, s, m, shared_prefix - lo)[0]
         else:
-            parts = [causal_lm_logprobs(self.model, sequences[s], attention_mask[s])[0] for s in slices]
-        return torch.cat(parts)
+            def forward(s: torch.Tensor, m: torch.Tensor, lo: int) -> torch.Tensor:
+                return response_logprobs(self.model, s, m, max(response_start - lo, 0))[0]
+        return forward_in_micro_batches(forward, sequences, attention_mask, self.micro_batch_size,
+                                        sort=shared_prefix == 0)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Sequence scores ([B]) of a value/reward model at each row's last real token."""
-        parts = [self.model.score(sequences[s], attention_mask[s], position_ids=position_ids_from_mask(attention_mask[s]))
-                 for s in micro_batch_slices(len(sequences), self.micro_batch_size)]
-        return torch.cat(parts).float()
+        """Sequence scores ([B]) of a value/reward model at each row's last real token (micro-batches
+        of rows of similar length, without their all-padding columns)."""
+        return forward_in_micro_batches(
+            lambda s, m, lo: self.model.score(s, m, position_ids=position_ids_from_mask(m)), sequences,
+            attention_mask, self.micro_batch_size).float()

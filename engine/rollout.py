@@ -89,7 +89,10 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, nn.Module]
 
 
 def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp_size: int, dtype: torch.dtype) -> nn.Module:
-    """An empty copy of the actor in the compute dtype on this rank's device, TP-parallelised."""
+    """An empty copy of the actor in the compute dtype on this rank's device, TP-parallelised.
+
+    Built from the config, never copied from the train model, so its layers are plain even when
+    train mode compiled them (`--compile`): a decode step through a KV cache would recompile."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(train_model.config, dtype=dtype)
     model.to_empty(device=ctx.device)

@@ -137,7 +137,8 @@ class TrainEngine:
             log.warning("%s: fp16 on CPU is slow and only meant for testing", name)
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
-        self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing)
+        self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
+                                config.compile)
         self.optimizer = build_optimizer(self.model, config, torch.device("cpu") if config.offload else ctx.device)
         self.scheduler = build_scheduler(self.optimizer, config, total_steps)
         self.scaler = (

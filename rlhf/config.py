@@ -215,6 +215,10 @@ class PPOConfig(RunConfig):
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
     rollout_parity_tolerance: float | None = bounded(None, ge=0)
     """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.15 bf16/fp16)."""
+    recompute_old_logprobs: bool = False
+    """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one forward pass more per iteration)."""
+    old_logprob_tolerance: float | None = bounded(None, ge=0)
+    """Max |difference| between generation's log-probs and the training forward's (measured every iteration, logged as old_logprob_diff_max/mean) before PPO recomputes them for the rest of the run (default: 1e-3 fp32, 0.15 bf16/fp16)."""
     max_prompt_len: int = bounded(256, ge=1)
     """Prompts longer than this many tokens are dropped and counted."""
     max_new_tokens: int = bounded(128, ge=1)

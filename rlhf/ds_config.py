@@ -44,6 +44,9 @@ _INERT_OFFLOAD_KEYS = {"pin_memory", "buffer_count", "fast_init", "nvme_path", "
                        "pipeline_write", "buffer_size", "max_in_cpu", "ratio"}
 _INERT_ACTIVATION_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                           "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+# DeepSpeed's compile section: what tunes its own torch.compile call or DeepCompile passes.
+_INERT_COMPILE_KEYS = {"kwargs", "deepcompile", "free_activation", "offload_activation", "offload_opt_states",
+                       "offload_parameters", "double_buffer", "symmetric_memory", "debug_log"}
 _SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
@@ -246,6 +249,20 @@ def _activation_checkpointing(r: _Reader, key: str, value: Any) -> None:
         r.inert(f"activation_checkpointing.{k}")
 
 
+def _compile(r: _Reader, key: str, value: Any) -> None:
+    """`compile{enabled}` -> --compile (each decoder layer, inductor: the only backend used)."""
+    for k, v in r.section(key, value).items():
+        if k == "enabled":
+            r.set("compile", v, "compile.enabled")
+        elif k == "backend":
+            if v not in ("inductor", "auto"):
+                raise r.fail("compile.backend", f"{v!r} is not supported; use inductor")
+        elif k in _INERT_COMPILE_KEYS:
+            r.inert(f"compile.{k}")
+        else:
+            raise r.unknown(f"compile.{k}")
+
+
 def _hybrid_engine(r: _Reader, key: str, value: Any) -> None:
     for k, v in r.section(key, value).items():
         if k == "inference_tp_size":
@@ -268,6 +285,7 @@ _READERS: dict[str, SectionReader] = {
     "optimizer": _optimizer,
     "scheduler": _scheduler,
     "activation_checkpointing": _activation_checkpointing,
+    "compile": _compile,
     "hybrid_engine": _hybrid_engine,
 }
 

@@ -27,7 +27,10 @@ import random
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 PEER_DIR = Path(os.environ.get("TRL_PEER_DIR", "/tmp/trl-peer"))
 PEER_SCRIPTS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "trl"
@@ -127,14 +130,76 @@ def run_ours(args: argparse.Namespace) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     phases = ("generation_s", "reward_s", "experience_s", "training_s")
     per_phase = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in phases}
+    gflop = {k: statistics.mean(r[k] for r in rows)
+             for k in ("prefill_gflop", "decode_gflop", "reward_gflop", "experience_gflop", "training_gflop")}
     per_iteration = sum(per_phase.values())
     tokens = statistics.mean(r["response_length"] for r in rows) * args.batch
     return {
         "completions_per_s": round(args.batch / per_iteration, 3), "tokens_per_s": round(tokens / per_iteration, 1),
-        **{k: round(v, 3) for k, v in per_phase.items()},
+        **{k: round(v, 3) for k, v in per_phase.items()}, **{k: round(v, 2) for k, v in gflop.items()},
         "critic_s": round(statistics.mean(r.get("critic_s", 0.0) for r in rows), 3),
         "response_tokens_mean": round(statistics.mean(r["response_length"] for r in rows), 1),
+        "old_logprob_diff_max": max((r.get("old_logprob_diff_max", 0.0) for r in rows), default=0.0),
         "iterations_timed": len(rows), "vocab": len(tokenizer), "model": str(actor),
+    }
+
+
+def gemm_seconds(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5) -> tuple[float, int]:
+    """(best seconds, FLOPs) of one layer's linears plus the LM head on m rows, as nn.Linear runs
+    them (x @ W^T); with backward also the input and weight gradients (dY @ W, dY^T @ X)."""
+    gemms = []
+    for d_in, d_out in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]:
+        x, w, dy = torch.randn(m, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype), torch.randn(m, d_out, dtype=dtype)
+        gemms.append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+        if backward:
+            gemms += [lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
+    flops = sum(2 * m * a * b for a, b in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]) * (3 if backward else 1)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for gemm in gemms:
+            gemm()
+        best = min(best, time.perf_counter() - start)
+    return best, flops
+
+
+def matmul_rates(model: Path, args: argparse.Namespace, prompts_per_iteration: int) -> dict[str, float]:
+    """FLOP/s of torch's matmul at the GEMM shapes of each phase, measured now, in this process:
+    prefill (the unique prompts' tokens), decode (one row per sample), experience/reward
+    forwards and training forward+backward (a micro-batch of prompt + response tokens)."""
+    from transformers import AutoConfig
+
+    from rlhf.engine.flops import TransformerShape
+
+    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
+    micro_tokens = min(args.micro_batch_size, args.batch) * (args.prompt_len + args.new_tokens)
+    rows = {"prefill": (prompts_per_iteration * args.prompt_len, False), "decode": (args.batch, False),
+            "forward": (micro_tokens, False), "training": (micro_tokens, True)}
+    rates = {}
+    for phase, (m, backward) in rows.items():
+        seconds, flops = gemm_seconds(shape, m, backward, dtype)
+        rates[phase] = flops / seconds
+    return rates
+
+
+def compute_bound(ours: dict, rates: dict[str, float]) -> dict:
+    """The iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics) at the measured matmul
+    rates, over the measured iteration time: the share of the time a perfect GEMM-bound run
+    would need (1.0 = nothing left but matmuls at the rate torch reaches at these shapes)."""
+    ideal = {
+        "generation_s": ours["prefill_gflop"] * 1e9 / rates["prefill"] + ours["decode_gflop"] * 1e9 / rates["decode"],
+        "reward_s": ours["reward_gflop"] * 1e9 / rates["forward"],
+        "experience_s": ours["experience_gflop"] * 1e9 / rates["forward"],
+        "training_s": ours["training_gflop"] * 1e9 / rates["training"],
+    }
+    measured = sum(ours[k] for k in ideal)
+    return {
+        "compute_bound_fraction": round(sum(ideal.values()) / measured, 3),
+        "phase_fractions": {k.removesuffix("_s"): round(v / ours[k], 3) if ours[k] else None for k, v in ideal.items()},
+        "matmul_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates.items()},
+        "iteration_gflop": round(sum(ours[f"{k}_gflop"] for k in ("prefill", "decode", "reward", "experience",
+                                                                       "training")), 1),
     }
 
 
@@ -149,8 +214,10 @@ def run_peer(args: argparse.Namespace) -> dict:
 def main() -> None:
     args = parse_args()
     ours = run_ours(args)
+    prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
     result = {
         "estimator": args.advantage_estimator, **ours,
+        **compute_bound(ours, matmul_rates(Path(ours["model"]), args, prompts_per_iteration)),
         "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
                   "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1},
     }

@@ -7,11 +7,13 @@ token t+1 was chosen); the response mask is the generation's action mask shifted
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
 from rlhf.algorithms.advantages import discounted_returns
+from rlhf.engine.micro_batches import column_span
 from rlhf.algorithms.ppo import KLKind, SumReducer, compute_token_rewards, gae_advantages, masked_whiten
 
 
@@ -37,6 +39,21 @@ class Experience:
     def select(self, index: torch.Tensor | slice) -> "Experience":
         return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
                              for f in fields(self)})
+
+    def trimmed(self) -> "Experience":
+        """The same rows without the columns that are padding in all of them (engine/micro_batches.py):
+        a causal forward gives the same log-probs and values on what is left."""
+        width = self.sequences.shape[1]
+        lo, hi = column_span(self.attention_mask)
+        if (lo, hi) == (0, width):
+            return self
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dim() < 2:
+                return t
+            return t[:, lo:hi] if t.shape[1] == width else t[:, lo : hi - 1]
+
+        return Experience(**{f.name: cut(getattr(self, f.name)) for f in fields(self)})
 
 
 def shaped_scores(
@@ -101,3 +118,28 @@ def mean_kl_per_sequence(exp: Experience) -> torch.Tensor:
 
 
 __all__ = ["Experience", "build_experience", "mean_kl_per_sequence", "shaped_scores"]
+
+
+@dataclass
+class LogprobDrift:
+    """How far the experience's old log-probs (generation's, when PPO does not recompute them) are
+    from the training forward's before any optimizer step, over response tokens: what taking
+    them from generation costs in accuracy. Accumulated per micro-batch, reset every iteration."""
+
+    max: float = 0.0
+    total: float = 0.0
+    count: float = 0.0
+
+    def add(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+        mask = mask.bool()
+        diff = torch.where(mask, (logprobs.float() - old_logprobs.float()).abs(), 0.0)
+        self.max = max(self.max, float(diff.max()) if diff.numel() else 0.0)
+        self.total += float(diff.sum())
+        self.count += float(mask.sum())
+
+    def global_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                       all_reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """old_logprob_diff_max / _mean over all ranks (every rank must call it)."""
+        sums = all_reduce_sum(torch.tensor([self.total, self.count], dtype=torch.float64))
+        return {"old_logprob_diff_max": float(all_reduce_max(torch.tensor(self.max, dtype=torch.float64))),
+                "old_logprob_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0)}

@@ -58,11 +58,11 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_model, export_state_dict
 from rlhf.engine.generation import check_rollout_fits
-from rlhf.engine.inference import FrozenModel, causal_lm_logprobs, micro_batch_slices
-from rlhf.engine.logprobs import entropy_from_logits_chunked
+from rlhf.engine.inference import FrozenModel, micro_batch_slices
+from rlhf.engine.micro_batches import forward_in_micro_batches
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.prompt_sharing import response_prefix, shared_prompt_logprobs
-from rlhf.engine.rollout import rollout_mode
+from rlhf.engine.prompt_sharing import response_logprobs, response_prefix, shared_prompt_logprobs
+from rlhf.engine.rollout import default_parity_tolerance, rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
@@ -70,12 +70,13 @@ from rlhf.logging import get_logger
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.value_model import check_reward_model_dir, value_model_from, value_model_kind
 from rlhf.seeding import derive_seed, seeded_permutation
-from rlhf.stages.experience import Experience, build_experience, mean_kl_per_sequence, shaped_scores
+from rlhf.stages.experience import Experience, LogprobDrift, build_experience, mean_kl_per_sequence, shaped_scores
 from rlhf.reward_functions import RewardFunction, prompt_text
 from rlhf.stages.reward_sources import REWARD_MODEL, build_reward_source, check_reward_sources, warn_if_degenerate
 from rlhf.stages.rollouts import (
     Rollouts, gather_rollouts, global_scores, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs,
 )
+from rlhf.stages.throughput import PHASES, IterationWork, iteration_flops, iteration_models
 from rlhf.stages.trainer import finish_stage, open_run, resume_from_latest, start_stage, wants_checkpoint
 
 log = get_logger(__name__)
@@ -245,6 +246,15 @@ class PPOTrainer:
         self.last_metrics: dict[str, float] = {}
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
+        self.recompute_old_logprobs = config.recompute_old_logprobs
+        self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
+                                      else default_parity_tolerance(self.actor.dtype))
+        self.old_logprob_drift = LogprobDrift()
+        self.ran_old_logprob_forward = False
+        self.optimizer_steps_this_iteration = 0
+        reward_model = self.reward.model_source
+        self.flop_models = iteration_models(self.actor.model.config, self.critic.model.config if self.critic else None,
+                                            reward_model.model.model.config if reward_model else None)
         self.started = time.perf_counter()
 
     def load_data(self) -> None:
@@ -282,7 +292,8 @@ class PPOTrainer:
                 engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx, total_steps, "critic")
         self.engines = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.ref = FrozenModel(load_causal_lm(config.ref or config.actor, "--ref"), ctx, config.engine.zero_stage,
-                               self.actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref")
+                               self.actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref",
+                               compile=config.engine.compile)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
@@ -309,6 +320,7 @@ class PPOTrainer:
         for iteration in range(self.start_iteration, self.total_iterations):
             seconds: dict[str, float] = {}
             self.critic_seconds = self.policy_kl_sum = 0.0
+            self.old_logprob_drift = LogprobDrift()
             rollouts = self.collect_rollouts(iteration, seconds)
             with timed(seconds, "experience_s"):
                 exp = self.make_experience(rollouts)
@@ -375,7 +387,7 @@ class PPOTrainer:
         decoded = self.tokenizer.batch_decode([s[a] for s, a in zip(sequences, action)], skip_special_tokens=True)
         return Rollouts(sequences, out.attention_mask[mine], action, out.finished[mine],
                         [self.prompts.messages[i] for i in rows], [r.strip() for r in decoded],
-                        [self.prompts.fields[i] for i in rows], rollout_metrics)
+                        [self.prompts.fields[i] for i in rows], rollout_metrics, logprobs=out.logprobs[mine])
 
     def score_rewards(self, rollouts: Rollouts) -> None:
         """The reward sources' scores, then the shaped score that enters the reward: missing-EOS
@@ -435,36 +447,41 @@ class PPOTrainer:
         """Old (actor) log-probs (None for an on-policy update), reference log-probs and the
         critic's values (None without a critic), in micro-batches."""
         seq, attn = rollouts.sequences, rollouts.attention_mask
-        slices = micro_batch_slices(len(seq), self.config.engine.micro_batch_size)
+        micro = self.config.engine.micro_batch_size
         self.actor.eval()
-        prefix = self.shared_prefix(rollouts.action_mask)
+        start, share = response_prefix(rollouts.action_mask), self.shares_prompts
         old_logprobs = None
+        self.ran_old_logprob_forward = False
         if not self.on_policy_update:
-            old_logprobs = torch.cat([self.policy_forward(seq[s], attn[s], prefix)[0] for s in slices])
-        ref_logprobs = self.ref.logprobs(seq, attn, prefix)
+            if self.recompute_old_logprobs or rollouts.logprobs is None:
+                old_logprobs = forward_in_micro_batches(
+                    lambda s, m, lo: self.policy_forward(s, m, max(start - lo, 0), share)[0], seq, attn, micro,
+                    sort=not share)
+                self.ran_old_logprob_forward = True
+            else:  # generation's: column t + 1's token log-prob is position t's (as the forward's [B, T-1])
+                old_logprobs = rollouts.logprobs[:, 1:] * rollouts.action_mask[:, 1:]
+        ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start)
         values = None
         if self.critic is not None:
             started = time.perf_counter()
             self.critic.eval()
-            values = torch.cat([critic_values(self.critic.model, seq[s], attn[s]) for s in slices])
+            values = forward_in_micro_batches(lambda s, m, lo: critic_values(self.critic.model, s, m), seq, attn, micro)
             self.critic_seconds += time.perf_counter() - started
         return old_logprobs, ref_logprobs, values
 
-    def shared_prefix(self, action_mask: torch.Tensor) -> int:
-        """How many leading columns a group's rows can share in the forwards (none hold a response
-        token; [B, T] action mask of the full sequences); 0: no sharing (--no-share-prompt-forward,
-        or one sample per prompt)."""
-        if not self.config.share_prompt_forward or self.group_size < 2:
-            return 0
-        return response_prefix(action_mask)
+    @property
+    def shares_prompts(self) -> bool:
+        """The actor and reference forwards run each sampled group's prompt once (--share-prompt-forward
+        with --samples-per-prompt > 1; see engine/prompt_sharing.py)."""
+        return self.config.share_prompt_forward and self.group_size > 1
 
-    def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prefix: int,
+    def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int, share: bool,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The actor's log-probs [B, T-1] (and entropy), each shared prompt run once when prefix > 0."""
-        if prefix > 0:
-            return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, prefix, with_entropy)
-        logprobs, logits = causal_lm_logprobs(self.actor.model, sequences, attention_mask)
-        return logprobs, entropy_from_logits_chunked(logits[:, :-1]) if with_entropy else None
+        """The actor's log-probs [B, T-1] (and entropy) of the tokens from column response_start on
+        (the LM head runs only there), each shared prompt run once when `share`."""
+        if share:
+            return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
+        return response_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global
@@ -497,14 +514,14 @@ class PPOTrainer:
         for engine in self.engines.values():
             engine.train()
         sums: dict[str, float] = {}
-        micro_steps = optimizer_steps = 0
+        micro_steps = optimizer_steps = self.optimizer_steps_this_iteration = 0
         for ppo_epoch in range(config.ppo_epochs):
             order = seeded_permutation(len(exp), derive_seed(self.seed, "ppo_minibatches", iteration, ppo_epoch))
             perm = torch.tensor(order)
             for mb_start in range(0, len(exp), per_rank_minibatch):
                 minibatch = perm[mb_start : mb_start + per_rank_minibatch]
                 for s in micro_batch_slices(len(minibatch), micro):
-                    part = exp.select(minibatch[s].to(self.ctx.device))
+                    part = exp.select(minibatch[s].to(self.ctx.device)).trimmed()
                     ptx_seed = derive_seed(self.seed, "ptx", iteration, micro_steps, self.ctx.rank)
                     for k, v in self.micro_step(part, ptx_seed).items():
                         sums[k] = sums.get(k, 0.0) + v
@@ -515,7 +532,7 @@ class PPOTrainer:
                     sums[f"{name}_grad_norm"] = sums.get(f"{name}_grad_norm", 0.0) + step.grad_norm
                     if name == "critic":
                         self.critic_seconds += time.perf_counter() - started
-                optimizer_steps += 1
+                optimizer_steps = self.optimizer_steps_this_iteration = optimizer_steps + 1
         keys = sorted(sums)
         local = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         reduced = self.ctx.all_reduce_sum(local) / self.ctx.world_size
@@ -528,11 +545,14 @@ class PPOTrainer:
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
         # exp.action_mask is shifted (position t scores token t + 1): its first response column is one less.
-        shifted = self.shared_prefix(exp.action_mask)
-        prefix = shifted + 1 if shifted else 0
-        logprobs, entropy = self.policy_forward(exp.sequences, exp.attention_mask, prefix, with_entropy=True)
+        shifted = response_prefix(exp.action_mask)
+        start = shifted + 1 if shifted else 0
+        logprobs, entropy = self.policy_forward(exp.sequences, exp.attention_mask, start, self.shares_prompts,
+                                                with_entropy=True)
         low, high = config.clip_bounds
         old_logprobs = exp.old_logprobs
+        if old_logprobs is not None and self.optimizer_steps_this_iteration == 0:
+            self.old_logprob_drift.add(logprobs.detach(), old_logprobs, exp.action_mask)
         if old_logprobs is None:  # on-policy: the rollout policy is this forward's (ratio 1, gradient kept)
             old_logprobs = logprobs.detach()
             kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
@@ -598,7 +618,8 @@ class PPOTrainer:
         clipped = float(ctx.all_reduce_sum(rollouts.clipped.double().sum()))
         metrics = {**experience_metrics(exp, ctx, self.critic is not None), **update_metrics,
                    **self.reward_source_metrics(rollouts)}
-        metrics.update(critic_s=self.critic_seconds)
+        metrics.update(critic_s=self.critic_seconds, **self.phase_gflop(rollouts),
+                       **self.old_logprob_metrics(exp))
         metrics.update(
             kl=kl, kl_coef=self.kl_ctl.value, **seconds, samples_per_s=experience_global / sum(seconds.values()),
             tokens_per_s=response_tokens / seconds["generation_s"], actor_lr=self.actor.scheduler.get_last_lr()[0],
@@ -614,6 +635,32 @@ class PPOTrainer:
                                                                        exp.scores[:4].tolist())]
             self.tracker.log_table("samples", ["prompt", "response", "score"], rows, step=step)
         return metrics
+
+    def phase_gflop(self, rollouts: Rollouts) -> dict[str, float]:
+        """The iteration's model GFLOPs per phase over all ranks (`<phase>_gflop`, rlhf.stages.throughput)."""
+        if self.flop_models is None:
+            return {}
+        responses = rollouts.response_lengths
+        prompts = rollouts.attention_mask.sum(-1) - responses
+        work = IterationWork(self.group_size, self.shares_prompts,
+                             self.ran_old_logprob_forward, self.config.ppo_epochs)
+        flops = iteration_flops(self.flop_models, work, prompts.tolist(), responses.tolist())
+        total = self.ctx.all_reduce_sum(torch.tensor([flops[k] for k in PHASES], dtype=torch.float64))
+        return {f"{k}_gflop": float(v) / 1e9 for k, v in zip(PHASES, total.tolist())}
+
+    def old_logprob_metrics(self, exp: Experience) -> dict[str, float]:
+        """old_logprob_diff_max/_mean when the experience held old log-probs (see LogprobDrift);
+        generation's log-probs beyond --old-logprob-tolerance make PPO recompute them from the
+        next iteration on."""
+        if exp.old_logprobs is None:
+            return {}
+        drift = self.old_logprob_drift.global_metrics(self.ctx.all_reduce_sum, self.ctx.all_reduce_max)
+        if not self.recompute_old_logprobs and not drift["old_logprob_diff_max"] <= self.old_logprob_tolerance:
+            log.warning("ppo: generation's log-probs differ from the training forward's by up to %.3g (> "
+                        "--old-logprob-tolerance %g); recomputing them with the actor from now on",
+                        drift["old_logprob_diff_max"], self.old_logprob_tolerance)
+            self.recompute_old_logprobs = True
+        return {**drift, "old_logprobs_recomputed": float(self.ran_old_logprob_forward)}
 
     def reward_source_metrics(self, rollouts: Rollouts) -> dict[str, float]:
         """Each reward source's mean raw score (`reward/<name>`) over all ranks, and a re-tokenising

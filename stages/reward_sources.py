@@ -238,7 +238,8 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
         log.info("--reward %s: its tokenizer differs from the actor's; responses are decoded and re-tokenised "
                  "with the reward model's tokenizer and chat template", config.reward)
     model = FrozenModel(load_value_model(config.reward, dtype=torch.float32), ctx, config.engine.zero_stage,
-                        dtype, config.offload_reward, config.engine.micro_batch_size, "reward")
+                        dtype, config.offload_reward, config.engine.micro_batch_size, "reward",
+                        compile=config.engine.compile)
     return RewardModelSource(model, reward_statistics(config.reward, config.normalize_reward),
                              reward_tok if retokenize else None, config.max_prompt_len + config.max_new_tokens)
 

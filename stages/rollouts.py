@@ -41,6 +41,7 @@ class Rollouts:
     scores: torch.Tensor | None = None  # [B] shaped: missing-EOS and overlong penalties, clipped
     components: dict[str, torch.Tensor] | None = None  # [B] raw score of each reward source
     clipped: torch.Tensor | None = None  # [B] bool: --reward-clip cut the shaped score
+    logprobs: torch.Tensor | None = None  # [B, T] float32: generation's log-prob of each response token, 0 elsewhere
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -76,7 +77,7 @@ def global_scores(scores: torch.Tensor, ctx: DistributedContext) -> torch.Tensor
     return ctx.all_reduce_sum(full).to(scores.device)
 
 
-def _pad_left_columns(t: torch.Tensor, columns: int, value: int | bool) -> torch.Tensor:
+def _pad_left_columns(t: torch.Tensor, columns: int, value: float) -> torch.Tensor:
     if columns == 0:
         return t
     pad = torch.full((t.shape[0], columns), value, dtype=t.dtype, device=t.device)
@@ -98,6 +99,8 @@ def merge_rollouts(parts: list[Rollouts], pad_token_id: int) -> Rollouts:
     for name in ("raw_scores", "scores", "clipped"):
         if all(getattr(p, name) is not None for p in parts):
             setattr(merged, name, torch.cat([getattr(p, name) for p in parts]))
+    if all(p.logprobs is not None for p in parts):
+        merged.logprobs = torch.cat([_pad_left_columns(p.logprobs, width - p.sequences.shape[1], 0.0) for p in parts])
     if all(p.components is not None for p in parts):
         merged.components = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
     return merged

@@ -9,8 +9,9 @@ import torch
 
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.logprobs import entropy_from_logits_chunked
-from rlhf.engine.prompt_sharing import prompt_groups, response_prefix, shared_prompt_logprobs
+from rlhf.engine.prompt_sharing import prompt_groups, response_logprobs, response_prefix, shared_prompt_logprobs
 from rlhf.models.loading import load_causal_lm
+from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model
 
 PROMPT, RESPONSE = 5, 4
 
@@ -68,7 +69,10 @@ def test_rows_without_a_shared_prompt_take_the_plain_forward(tiny_model_dirs):
         shared, entropy = shared_prompt_logprobs(model, sequences[::2], mask[::2], PROMPT)
         plain, _ = causal_lm_logprobs(model, sequences[::2], mask[::2])
     assert entropy is None
-    assert torch.equal(shared, plain)
+    # The LM head runs only where a response token is scored: those positions are bit-equal, the
+    # prompt's are 0.
+    assert torch.equal(shared[:, PROMPT - 1 :], plain[:, PROMPT - 1 :])
+    assert (shared[:, : PROMPT - 1] == 0).all()
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -80,4 +84,18 @@ def test_activation_checkpointing_takes_the_plain_forward(tiny_model_dirs):
     sequences, mask = grouped_batch()
     shared, _ = shared_prompt_logprobs(model, sequences, mask, PROMPT)
     plain, _ = causal_lm_logprobs(model, sequences, mask)
-    torch.testing.assert_close(shared, plain)
+    torch.testing.assert_close(shared[:, PROMPT - 1 :], plain[:, PROMPT - 1 :])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_response_logprobs_run_the_head_only_where_responses_are_scored(family):
+    """Every family (logits_to_keep, or full logits sliced where the forward lacks it): the
+    response positions' log-probs and entropies are the full forward's, the prompt's are 0."""
+    model = build_tiny_model(family, build_char_tokenizer(), seed=0).eval()
+    sequences, mask = grouped_batch()
+    with torch.no_grad():
+        logprobs, entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
+        plain, logits = causal_lm_logprobs(model, sequences, mask)
+    torch.testing.assert_close(logprobs[:, PROMPT - 1 :], plain[:, PROMPT - 1 :])
+    torch.testing.assert_close(entropy[:, PROMPT - 1 :], entropy_from_logits_chunked(logits[:, :-1])[:, PROMPT - 1 :])
+    assert (logprobs[:, : PROMPT - 1] == 0).all() and (entropy[:, : PROMPT - 1] == 0).all()

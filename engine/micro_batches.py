@@ -1,0 +1,64 @@
+"""Micro-batches of the batched forwards without the padding they can drop.
+
+A rollout batch is as wide as its longest prompt plus its longest response; responses that stop
+at EOS early leave most of that width padding. A causal model's outputs at a column do not depend
+on later columns, and left-padding columns are masked out (positions come from the mask), so a
+micro-batch can drop the columns that are padding in all of its rows and give the same results.
+For inference-only forwards (reference, reward, critic values, old log-probs) the rows are first
+sorted by length, so each micro-batch holds rows of similar length and drops the most; the
+number of micro-batches stays ceil(rows / size), the same on every rank (FSDP's collectives run
+once per forward on each rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["column_span", "forward_in_micro_batches", "length_sorted_micro_batches"]
+
+
+def column_span(attention_mask: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi): the columns holding a real token in some row (the whole width when none does)."""
+    used = attention_mask.bool().any(dim=0).nonzero()
+    if used.numel() == 0:
+        return 0, attention_mask.shape[1]
+    return int(used[0]), int(used[-1]) + 1
+
+
+def length_sorted_micro_batches(attention_mask: torch.Tensor, size: int, sort: bool = True) -> list[torch.Tensor]:
+    """Row indices of ceil(rows / size) micro-batches of at most `size` rows; with `sort`, rows
+    ordered by their real length (stable), else in order."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    rows = attention_mask.shape[0]
+    order = (torch.argsort(attention_mask.sum(dim=-1), stable=True) if sort
+             else torch.arange(rows, device=attention_mask.device))
+    return [order[i : i + size] for i in range(0, rows, size)]
+
+
+def forward_in_micro_batches(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], sequences: torch.Tensor,
+                             attention_mask: torch.Tensor, size: int, sort: bool = True) -> torch.Tensor:
+    """fn over micro-batches with their all-padding columns dropped, reassembled in row order.
+
+    fn(sequences, attention_mask, lo) gets a micro-batch's columns lo..hi-1 and returns either
+    [b] (one value per row) or [b, w] whose column j is the trimmed input's column j (w = hi - lo,
+    values) or j + 1 of ... up to w - 1 (log-probs: [b, hi - lo - 1], position j scoring the next
+    column). The result is [B] or [B, T - (hi - lo - w)] with 0 in the dropped columns.
+    """
+    batch, width = sequences.shape
+    out: torch.Tensor | None = None
+    for rows in length_sorted_micro_batches(attention_mask, size, sort):
+        seq, mask = sequences[rows], attention_mask[rows]
+        lo, hi = column_span(mask)
+        part = fn(seq[:, lo:hi], mask[:, lo:hi], lo)
+        if out is None:
+            shape = (batch,) if part.dim() == 1 else (batch, width - (hi - lo - part.shape[1]))
+            out = torch.zeros(shape, dtype=part.dtype, device=part.device)
+        if part.dim() == 1:
+            out[rows] = part
+        else:
+            out[rows, lo : lo + part.shape[1]] = part
+    assert out is not None
+    return out

@@ -1,0 +1,99 @@
+"""Micro-batches without their all-padding columns (engine/micro_batches.py, Experience.trimmed):
+the same log-probs, values and losses as the padded forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.algorithms.ppo import policy_loss, value_loss
+from rlhf.engine.inference import causal_lm_logprobs
+from rlhf.engine.micro_batches import column_span, forward_in_micro_batches, length_sorted_micro_batches
+from rlhf.engine.positions import position_ids_from_mask
+from rlhf.engine.prompt_sharing import response_logprobs
+from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model
+from rlhf.models.value_model import ValueModel
+from rlhf.stages.experience import Experience
+
+PROMPT = 6
+
+
+def ragged_batch(rows: int = 7, width: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (1-6 real tokens) and responses of 1-14 tokens then padding, as rollouts are."""
+    gen = torch.Generator().manual_seed(0)
+    sequences = torch.randint(4, 90, (rows, width), generator=gen)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for i in range(rows):
+        prompt = 1 + i % PROMPT
+        response = 1 + (5 * i) % (width - PROMPT)
+        mask[i, PROMPT - prompt : PROMPT + response] = 1
+    sequences[mask == 0] = 0
+    mask[:, -3:] = 0  # three columns of padding in every row
+    return sequences, mask
+
+
+def test_column_span_and_sorted_micro_batches() -> None:
+    _, mask = ragged_batch()
+    assert column_span(mask) == (0, 17)
+    assert column_span(mask[3:4]) == (2, PROMPT + 1 + 15 % 14)  # prompt of 4 from column 2, response of 2
+    batches = length_sorted_micro_batches(mask, 3)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    lengths = mask.sum(-1)[torch.cat(batches)]
+    assert torch.all(lengths[1:] >= lengths[:-1])
+    assert sorted(torch.cat(batches).tolist()) == list(range(7))
+    assert torch.equal(torch.cat(length_sorted_micro_batches(mask, 3, sort=False)), torch.arange(7))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trimmed_micro_batches_give_the_padded_forward(family: str) -> None:
+    model = build_tiny_model(family, build_char_tokenizer(), seed=0).eval()
+    sequences, mask = ragged_batch()
+    actions = mask.clone()
+    actions[:, :PROMPT] = 0
+    with torch.no_grad():
+        plain, _ = causal_lm_logprobs(model, sequences, mask)
+        trimmed = forward_in_micro_batches(
+            lambda s, m, lo: response_logprobs(model, s, m, PROMPT - lo)[0], sequences, mask, size=3)
+    scored = actions[:, 1:].bool()
+    assert trimmed.shape == plain.shape
+    torch.testing.assert_close(trimmed[scored], plain[scored], atol=1e-5, rtol=1e-5)
+
+
+def test_trimmed_values_and_losses_equal_the_padded_ones() -> None:
+    torch.manual_seed(0)
+    critic = ValueModel(build_tiny_model("llama", build_char_tokenizer(), seed=1).model, head_init_std=0.1).eval()
+    actor = build_tiny_model("llama", build_char_tokenizer(), seed=0).train()
+    sequences, mask = ragged_batch()
+    actions = mask.clone().bool()
+    actions[:, :PROMPT] = False
+
+    def values(s: torch.Tensor, m: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        return critic(s, m, position_ids=position_ids_from_mask(m))
+
+    with torch.no_grad():
+        plain_values = values(sequences, mask)
+        trimmed_values = forward_in_micro_batches(values, sequences, mask, size=2)
+    torch.testing.assert_close(trimmed_values[mask.bool()], plain_values[mask.bool()], atol=1e-5, rtol=1e-5)
+
+    shifted = actions[:, 1:]
+    gen = torch.Generator().manual_seed(1)
+    noise = lambda: torch.randn(shifted.shape, generator=gen)  # noqa: E731
+    exp = Experience(sequences, mask, shifted, noise() - 4, noise() - 4, noise(), noise(), noise(), noise(),
+                     torch.zeros(len(sequences)), noise())
+
+    def losses(e: Experience) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        actor.zero_grad()
+        logprobs, _ = causal_lm_logprobs(actor, e.sequences, e.attention_mask)
+        p_loss, _, _ = policy_loss(logprobs, e.old_logprobs, e.advantages, e.action_mask, 0.2, 0.2)
+        v_loss, _ = value_loss(e.old_values + 0.1, e.old_values, e.returns, e.action_mask, 0.2)
+        p_loss.backward()
+        return p_loss.detach(), v_loss.detach(), [p.grad.clone() for p in actor.parameters()]
+
+    part = exp.select(torch.tensor([3, 0, 1]))
+    short = part.trimmed()
+    assert short.sequences.shape[1] < part.sequences.shape[1]
+    (p_full, v_full, g_full), (p_short, v_short, g_short) = losses(part), losses(short)
+    torch.testing.assert_close(p_short, p_full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(v_short, v_full, atol=1e-6, rtol=1e-5)
+    for a, b in zip(g_short, g_full):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -1,0 +1,83 @@
+"""PPO's old log-probs from generation: equal to the training forward's, and what PPO does with them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlhf.cli import main
+from rlhf.engine.generation import generate
+from rlhf.engine.inference import causal_lm_logprobs
+from rlhf.engine.sampling import SamplingParams
+from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model
+from tests.conftest import read_metrics, write_jsonl
+
+PROMPTS = ["Hello", "a much longer prompt, with padding", "x", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = build_char_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fast", ["auto", False])
+def test_generation_logprobs_equal_the_forward_logprobs(tok, family: str, fast) -> None:
+    """Sampled with temperature, top-k and a min_new_tokens EOS mask (none of which the training
+    forward applies): generation's log-prob of each token is the raw forward's, group sampling too."""
+    model = build_tiny_model(family, tok, seed=0).eval()
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    params = SamplingParams(max_new_tokens=12, min_new_tokens=3, temperature=0.7, top_k=20,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out = generate(model, enc.input_ids, enc.attention_mask, params, torch.Generator().manual_seed(0), fast=fast,
+                   samples_per_prompt=2)
+    with torch.no_grad():
+        forward, _ = causal_lm_logprobs(model, out.sequences, out.attention_mask)
+    actions = out.action_mask[:, 1:]
+    assert actions.any()
+    torch.testing.assert_close(out.logprobs[:, 1:][actions], forward[actions], atol=2e-5, rtol=0)
+    assert (out.logprobs[~out.action_mask] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("logprobs")
+    rng = random.Random(0)
+    rows = [{"prompt": "".join(rng.choice("bcdefgh") for _ in range(rng.randint(3, 8)))} for _ in range(64)]
+    (folder / "vowels.py").write_text("def vowels(prompt, response):\n"
+                                      "    return sum(c in 'aeiou' for c in response) / max(1, len(response))\n")
+    return write_jsonl(folder / "prompts.jsonl", rows)
+
+
+def _ppo(model, prompts, out, *extra: str) -> list[dict]:
+    reward = f"{prompts.parent / 'vowels.py'}:vowels"
+    main(["ppo", "--actor", str(model), "--critic", str(model), "--reward-fn", reward, "--data", str(prompts),
+          "--output", str(out), "--max-steps", "2", "--generation-batch-size", "8", "--max-new-tokens", "6",
+          "--micro-batch-size", "4", "--report-to", "none", "--optimizer-impl", "torch", "--kl-coef", "0.1", *extra])
+    return read_metrics(out)
+
+
+def test_ppo_takes_generation_logprobs_and_logs_their_drift(tiny_model_dirs, prompts, tmp_path) -> None:
+    model = tiny_model_dirs["llama"]
+    taken = _ppo(model, prompts, tmp_path / "taken")
+    recomputed = _ppo(model, prompts, tmp_path / "recomputed", "--recompute-old-logprobs")
+    assert [r["old_logprobs_recomputed"] for r in taken] == [0.0, 0.0]
+    assert [r["old_logprobs_recomputed"] for r in recomputed] == [1.0, 1.0]
+    for row in taken:  # the first forward of the update scores the rollout policy: only rounding differs
+        assert 0 <= row["old_logprob_diff_mean"] <= row["old_logprob_diff_max"] < 1e-4
+    # One forward pass fewer in the experience phase, and the same training.
+    assert taken[0]["experience_gflop"] < recomputed[0]["experience_gflop"]
+    for a, b in zip(taken, recomputed):
+        assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-5)
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-5)
+
+
+def test_drift_beyond_the_tolerance_switches_to_recomputing(tiny_model_dirs, prompts, tmp_path) -> None:
+    rows = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "ppo", "--old-logprob-tolerance", "0")
+    if rows[0]["old_logprob_diff_max"] == 0:
+        pytest.skip("generation's log-probs were bit-identical here: nothing to exceed")
+    assert [r["old_logprobs_recomputed"] for r in rows] == [0.0, 1.0]  # (and a warning says so)

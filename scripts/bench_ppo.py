@@ -7,7 +7,7 @@
                                                         # GRPO, group 4, responses stop at EOS, a Python reward
                                                         # (share of vowels), KL 0.04 in the loss; + TRL GRPOTrainer
 
-Runs `rlhf ppo` for a few iterations and reads its metrics.jsonl; the first iteration is warm-up
+Runs `rlhf ppo` for a few iterations and reads its metrics.jsonl; the first iteration (3 with --compile) is warm-up
 and is excluded, so the figures are marginal rates (start-up excluded), measured the way the peer
 scripts measure TRL (time(N2) - time(N1)). With --peer-trl the peer runs in the same invocation,
 after ours, on the same tiny policy (`/tmp/trl-peer/tiny/policy`, built by the peer's setup.sh),
@@ -59,6 +59,10 @@ def parse_args() -> argparse.Namespace:
                         "--peer-trl, else a tiny Llama built here)")
     parser.add_argument("--zero-stage", default=None, help="the engine's ZeRO stage (default: rlhf ppo's)")
     parser.add_argument("--peer-trl", action="store_true", help="also run TRL's rate script, in this invocation")
+    parser.add_argument("--compile", action="store_true", help="rlhf ppo --compile (torch.compile each decoder layer)")
+    parser.add_argument("--warmup", type=int, default=None, help="leading iterations left out of the rates "
+                        "(default 1; 3 with --compile, whose recompiles for new shapes land in iterations 1-3)")
+    parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
     return parser.parse_args()
 
 
@@ -109,7 +113,7 @@ def reward_args(args: argparse.Namespace, actor: Path, root: Path) -> list[str]:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
-    """Our rlhf ppo for --iterations; per-iteration means over all but the first iteration."""
+    """Our rlhf ppo for --iterations; per-iteration means over all but the --warmup first iterations."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     from rlhf.cli import main as rlhf_main
     from rlhf.models.loading import load_tokenizer
@@ -126,8 +130,10 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
+        *(["--compile"] if args.compile else []), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    warmup = args.warmup if args.warmup is not None else (3 if args.compile else 1)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
     phases = ("generation_s", "reward_s", "experience_s", "training_s")
     per_phase = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in phases}
     gflop = {k: statistics.mean(r[k] for r in rows)

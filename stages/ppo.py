@@ -59,7 +59,7 @@ from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_model, export_state_dict
 from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
-from rlhf.engine.micro_batches import forward_in_micro_batches
+from rlhf.engine.micro_batches import column_span, forward_in_micro_batches
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.prompt_sharing import response_logprobs, response_prefix, shared_prompt_logprobs
 from rlhf.engine.rollout import default_parity_tolerance, rollout_mode
@@ -253,6 +253,7 @@ class PPOTrainer:
         self.ran_old_logprob_forward = False
         self.optimizer_steps_this_iteration = 0
         reward_model = self.reward.model_source
+        self.kept_values: torch.Tensor | None = None
         self.flop_models = iteration_models(self.actor.model.config, self.critic.model.config if self.critic else None,
                                             reward_model.model.model.config if reward_model else None)
         self.started = time.perf_counter()
@@ -465,9 +466,34 @@ class PPOTrainer:
         if self.critic is not None:
             started = time.perf_counter()
             self.critic.eval()
-            values = forward_in_micro_batches(lambda s, m, lo: critic_values(self.critic.model, s, m), seq, attn, micro)
+            if self.keeps_critic_forward(len(seq)):
+                values = self.kept_critic_forward(seq, attn)
+            else:
+                values = forward_in_micro_batches(lambda s, m, lo: critic_values(self.critic.model, s, m), seq, attn,
+                                                  micro)
             self.critic_seconds += time.perf_counter() - started
         return old_logprobs, ref_logprobs, values
+
+    def keeps_critic_forward(self, rows: int) -> bool:
+        """One PPO epoch over one minibatch that is one micro-batch per rank: the critic is trained
+        once, on exactly the batch whose values GAE needs, with the parameters that computed them,
+        so the values forward is run with autograd on and its graph kept for the value loss: one
+        critic forward per iteration fewer. The critic's update runs before the actor's, so the
+        graph is freed before the actor's forward (peak memory as without it)."""
+        config = self.config
+        return (config.ppo_epochs == 1 and config.engine.train_batch_size == self.experience_size
+                and config.engine.micro_batch_size >= rows)
+
+    def kept_critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The critic's values [B, T] (detached) of the whole batch without its all-padding columns;
+        the graph is kept in self.kept_values for `critic_micro_step`."""
+        lo, hi = column_span(attention_mask)
+        with torch.enable_grad():
+            kept = critic_values(self.critic.model, sequences[:, lo:hi], attention_mask[:, lo:hi])
+        self.kept_values = kept
+        values = torch.zeros(sequences.shape, dtype=kept.dtype, device=kept.device)
+        values[:, lo:hi] = kept.detach()
+        return values
 
     @property
     def shares_prompts(self) -> bool:
@@ -523,7 +549,7 @@ class PPOTrainer:
                 for s in micro_batch_slices(len(minibatch), micro):
                     part = exp.select(minibatch[s].to(self.ctx.device)).trimmed()
                     ptx_seed = derive_seed(self.seed, "ptx", iteration, micro_steps, self.ctx.rank)
-                    for k, v in self.micro_step(part, ptx_seed).items():
+                    for k, v in self.micro_step(part, ptx_seed, minibatch[s]).items():
                         sums[k] = sums.get(k, 0.0) + v
                     micro_steps += 1
                 for name, engine in self.engines.items():
@@ -539,9 +565,11 @@ class PPOTrainer:
         return {k: v / max(micro_steps if k in PER_MICRO_METRICS else optimizer_steps, 1)
                 for k, v in zip(keys, reduced.tolist())}
 
-    def micro_step(self, exp: Experience, ptx_seed: int) -> dict[str, float]:
+    def micro_step(self, exp: Experience, ptx_seed: int, rows: torch.Tensor) -> dict[str, float]:
         """Forward/backward of one micro-batch through the actor (policy loss, KL loss term, entropy
         bonus, PTX) and the critic (value loss)."""
+        # The critic first: a kept values graph (`keeps_critic_forward`) is freed before the actor's forward.
+        metrics = self.critic_micro_step(exp, rows) if self.critic is not None else {}
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
         # exp.action_mask is shifted (position t scores token t + 1): its first response column is one less.
@@ -559,7 +587,8 @@ class PPOTrainer:
             self.policy_kl_sum += float(kl.sum())
         p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, exp.action_mask, low,
                                                   high, aggregation, normalizer, config.importance_ratio)
-        loss, metrics = p_loss, {"clipfrac": float(clipfrac), "approx_kl": float(approx_kl)}
+        loss = p_loss
+        metrics.update(clipfrac=float(clipfrac), approx_kl=float(approx_kl))
         if config.kl_in_loss:
             kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
             loss = loss + self.kl_ctl.value * kl_term
@@ -573,14 +602,17 @@ class PPOTrainer:
             metrics["ptx_loss"] = float(ptx.detach())
         actor.backward(loss)
         metrics.update(policy_loss=float(p_loss.detach()), entropy=float(entropy.detach()))
-        if self.critic is not None:
-            metrics.update(self.critic_micro_step(exp))
         return metrics
 
-    def critic_micro_step(self, exp: Experience) -> dict[str, float]:
-        """The critic's clipped value loss on one micro-batch, forward and backward."""
+    def critic_micro_step(self, exp: Experience, rows: torch.Tensor) -> dict[str, float]:
+        """The critic's clipped value loss on one micro-batch (the experience's `rows`, trimmed),
+        forward and backward; the forward is the experience pass's kept one when there is one."""
         started = time.perf_counter()
-        values = critic_values(self.critic.model, exp.sequences, exp.attention_mask)[:, :-1]
+        kept, self.kept_values = self.kept_values, None
+        if kept is not None and kept.shape[1] == exp.sequences.shape[1] and kept.shape[0] == len(rows):
+            values = kept.index_select(0, rows.to(kept.device))[:, :-1]
+        else:
+            values = critic_values(self.critic.model, exp.sequences, exp.attention_mask)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)
         self.critic.backward(v_loss)
@@ -642,8 +674,8 @@ class PPOTrainer:
             return {}
         responses = rollouts.response_lengths
         prompts = rollouts.attention_mask.sum(-1) - responses
-        work = IterationWork(self.group_size, self.shares_prompts,
-                             self.ran_old_logprob_forward, self.config.ppo_epochs)
+        work = IterationWork(self.group_size, self.shares_prompts, self.ran_old_logprob_forward,
+                             self.config.ppo_epochs, self.critic is not None and self.keeps_critic_forward(len(rollouts)))
         flops = iteration_flops(self.flop_models, work, prompts.tolist(), responses.tolist())
         total = self.ctx.all_reduce_sum(torch.tensor([flops[k] for k in PHASES], dtype=torch.float64))
         return {f"{k}_gflop": float(v) / 1e9 for k, v in zip(PHASES, total.tolist())}

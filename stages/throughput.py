@@ -42,6 +42,9 @@ class IterationWork:
     """The experience pass ran the actor for the rollout log-probs (else they came from
     generation, or the update was on-policy)."""
     ppo_epochs: int
+    critic_forward_kept: bool = False
+    """The experience pass's critic forward was the training forward (its graph kept): the
+    training phase ran the critic's backward only."""
 
 
 def iteration_models(actor: Any, critic: Any | None, reward: Any | None) -> IterationModels | None:
@@ -73,7 +76,8 @@ def iteration_flops(models: IterationModels, work: IterationWork, prompt_lens: S
     if models.critic is not None:
         critic_forward = forward_flops(models.critic, prompt_lens, response_lens, "value")
         flops["experience"] += critic_forward
-        flops["training"] += work.ppo_epochs * training_flops(critic_forward)
+        flops["training"] += work.ppo_epochs * training_flops(critic_forward) - (
+            critic_forward if work.critic_forward_kept else 0)
     return flops
 
 

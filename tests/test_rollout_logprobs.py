@@ -81,3 +81,17 @@ def test_drift_beyond_the_tolerance_switches_to_recomputing(tiny_model_dirs, pro
     if rows[0]["old_logprob_diff_max"] == 0:
         pytest.skip("generation's log-probs were bit-identical here: nothing to exceed")
     assert [r["old_logprobs_recomputed"] for r in rows] == [0.0, 1.0]  # (and a warning says so)
+
+
+def test_kept_critic_forward_trains_the_critic_as_a_second_forward_would(tiny_model_dirs, prompts, tmp_path) -> None:
+    """One epoch, one minibatch, one micro-batch per rank: the values forward's graph is the value
+    loss's (one critic forward fewer). Responses of a fixed length, so two micro-batches of 4
+    average to the same loss as one of 8."""
+    model = tiny_model_dirs["llama"]
+    fixed = ("--min-new-tokens", "6", "--lr", "1e-3", "--critic-lr", "1e-3")
+    kept = _ppo(model, prompts, tmp_path / "kept", *fixed, "--micro-batch-size", "8")
+    twice = _ppo(model, prompts, tmp_path / "twice", *fixed, "--micro-batch-size", "4")
+    for a, b in zip(kept, twice):
+        for key in ("value_loss", "critic_grad_norm", "value_explained_variance", "policy_loss", "actor_grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert kept[0]["training_gflop"] < twice[0]["training_gflop"]

@@ -362,26 +362,45 @@ def _decode(
     token_logprobs = torch.zeros((batch, total_len), dtype=torch.float32, device=device)
 
     steps_run = max_new
+    rows: torch.Tensor | None = None  # the rows the runner still decodes (None: all of them)
     for step in range(max_new):
         col = prompt_len + step
         raw_logits = logits
         if step < params.min_new_tokens and eos_ids.numel():
             logits = logits.index_fill(-1, eos_ids, float("-inf"))
-        token = sample_next_token(logits, params, generator)
-        token = torch.where(finished, params.pad_token_id, token)
+        # One uniform per row of the whole batch, as the samplers draw them, so that dropping
+        # finished rows leaves every other row's tokens as they would have been.
+        uniform = (torch.rand(batch, device=device, dtype=torch.float32, generator=generator)
+                   if params.do_sample else None)
+        decoded = sample_next_token(logits, params, generator,
+                                    uniform if uniform is None or rows is None else uniform[rows])
+        logprobs = sampled_logprobs(raw_logits, decoded)
+        if rows is not None:
+            decoded = torch.full((batch,), params.pad_token_id, dtype=decoded.dtype, device=device).index_copy(
+                0, rows, decoded)
+            logprobs = torch.zeros(batch, dtype=logprobs.dtype, device=device).index_copy(0, rows, logprobs)
+        token = torch.where(finished, params.pad_token_id, decoded)
         sequences[:, col] = token
         action_mask[:, col] = ~finished
-        token_logprobs[:, col] = torch.where(finished, 0.0, sampled_logprobs(raw_logits, token))
+        token_logprobs[:, col] = torch.where(finished, 0.0, logprobs)
         if eos_ids.numel():
             # A broadcast compare rather than torch.isin, whose large-set path sorts.
             finished |= (token[:, None] == eos_ids).any(dim=-1)
         if step == max_new - 1:
             break
-        if params.sync_every and (step + 1) % params.sync_every == 0 and bool(finished.all()):
-            steps_run = step + 1
-            break
+        if params.sync_every and (step + 1) % params.sync_every == 0:
+            done = finished if rows is None else finished[rows]
+            n_done = int(done.sum())  # the loop's one host sync
+            if n_done == done.numel():
+                steps_run = step + 1
+                break
+            if params.drop_finished and 4 * n_done >= done.numel():
+                keep = (~done).nonzero().squeeze(1)
+                runner.expand(keep)
+                rows = keep if rows is None else rows[keep]
+        index = slice(None) if rows is None else rows
         logits = runner.decode(
-            sequences[:, col : col + 1], model_mask[:, : col + 1], step_positions[:, step : step + 1]
+            sequences[index, col : col + 1], model_mask[index, : col + 1], step_positions[index, step : step + 1]
         )
     log.debug("generated %d of %d steps for %d sequences (%s)", steps_run, max_new, batch, type(runner).__name__)
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["column_span", "forward_in_micro_batches", "length_sorted_micro_batches"]
+__all__ = ["column_span", "forward_in_micro_batches", "length_sorted_micro_batches", "micro_batch_weights",
+           "padded_tokens", "token_budget_micro_batches"]
 
 
 def column_span(attention_mask: torch.Tensor) -> tuple[int, int]:
@@ -62,3 +63,46 @@ def forward_in_micro_batches(fn: Callable[[torch.Tensor, torch.Tensor, int], tor
             out[rows, lo : lo + part.shape[1]] = part
     assert out is not None
     return out
+
+
+def padded_tokens(attention_mask: torch.Tensor) -> int:
+    """What a forward over these rows costs: rows x the width of their non-padding columns."""
+    lo, hi = column_span(attention_mask)
+    return attention_mask.shape[0] * (hi - lo)
+
+
+def token_budget_micro_batches(attention_mask: torch.Tensor, budget: int, at_least: int = 1) -> list[torch.Tensor]:
+    """Row indices of micro-batches of rows of similar length (sorted, longest first) whose padded
+    size (rows x trimmed width) stays within `budget` tokens (DeepSpeed's / verl's dynamic batch
+    size); a row longer than the budget is a micro-batch of its own. Split further (the largest
+    first) until there are `at_least` of them, so that every rank can run the same number of
+    forwards (FSDP's collectives run once per forward on each rank)."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    order = torch.argsort(attention_mask.sum(dim=-1), descending=True, stable=True)
+    parts: list[list[int]] = []
+    current: list[int] = []
+    for row in order.tolist():
+        if current and padded_tokens(attention_mask[current + [row]]) > budget:
+            parts.append(current)
+            current = []
+        current.append(row)
+    if current:
+        parts.append(current)
+    if at_least > attention_mask.shape[0]:
+        raise ValueError(f"cannot make {at_least} micro-batches of {attention_mask.shape[0]} rows")
+    while len(parts) < at_least:
+        largest = max(range(len(parts)), key=lambda i: (len(parts[i]) > 1, padded_tokens(attention_mask[parts[i]])))
+        rows = parts.pop(largest)
+        parts[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
+
+
+def micro_batch_weights(counts: list[float], global_count: float, world_size: int) -> list[float]:
+    """Loss weights that make a step's gradient independent of how its rows are cut into
+    micro-batches and ranks: micro-batch k's mean (over its `counts[k]` tokens, or rows for a
+    sequence-level mean) is weighted by its share of the global minibatch's `global_count`, times
+    the number of micro-batches (the engine divides by it) and the world size (FSDP averages over
+    ranks). The sum of the weighted means is then the mean over the whole minibatch."""
+    n = len(counts)
+    return [n * world_size * c / global_count if global_count > 0 else 0.0 for c in counts]

@@ -40,6 +40,10 @@ class SamplingParams:
     sync_every: int = 8
     """Check on the host whether every sequence has finished once per this many decode steps
     (the only host synchronisation of the loop); 0 never checks and always runs max_new_tokens."""
+    drop_finished: bool = True
+    """At those checks, once a quarter of the rows still decoded have finished (EOS), drop them
+    from the decode batch (their KV cache rows too): the rest decode on fewer rows, drawing the
+    tokens they would have drawn."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -172,12 +176,15 @@ def sampler_path(logits: torch.Tensor, params: SamplingParams) -> SamplerPath:
 
 
 def sample_next_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64.
 
     Every path draws one uniform per row with `generator` on the logits' device, as
-    `sample_from_logits` does, so a seeded generator gives the same tokens on each of them.
+    `sample_from_logits` does, so a seeded generator gives the same tokens on each of them; or
+    takes `uniform` [batch] float32 (generation draws a whole batch's and passes the rows it
+    still decodes, so dropping finished rows leaves the others' draws unchanged).
     """
     path = sampler_path(logits, params)
     if path == "greedy":
@@ -185,10 +192,12 @@ def sample_next_token(
     if path == "cuda_kernel":
         from rlhf.engine.kernels import sample_tokens
 
-        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator=generator)
+        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator=generator,
+                             uniform=uniform)
     if path == "cpu_kernel":
         fused = _fused_cpu_sampler(logits, params)
-        uniform = torch.rand(logits.shape[0], dtype=torch.float32, generator=generator)  # as sample_from_logits draws
+        if uniform is None:  # as sample_from_logits draws
+            uniform = torch.rand(logits.shape[0], dtype=torch.float32, generator=generator)
         return fused(logits, uniform, params.temperature)
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
-    return sample_from_logits(scores, generator)
+    return sample_from_logits(scores, generator, uniform)

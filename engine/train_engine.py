@@ -150,6 +150,7 @@ class TrainEngine:
             else None
         )
         self.micro_step = 0
+        self.pending_micro_steps = 0  # backward passes since the last optimizer step
         self.global_step = 0
         self.skipped_steps = 0
         self.zero_gradient_streak = 0
@@ -171,11 +172,11 @@ class TrainEngine:
     @property
     def is_accumulation_boundary(self) -> bool:
         """True right after the backward of the last micro-batch of an optimizer step."""
-        return self.micro_step > 0 and self.micro_step % self.grad_accum == 0
+        return self.pending_micro_steps > 0 and self.pending_micro_steps % self.grad_accum == 0
 
     def _set_gradient_sync(self) -> None:
         # When grads are reduced is the sharding plan's call (see ShardingPlan).
-        last = (self.micro_step + 1) % self.grad_accum == 0
+        last = (self.pending_micro_steps + 1) % self.grad_accum == 0
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(self.plan.sync_grads_every_micro_step or last)
 
@@ -194,6 +195,17 @@ class TrainEngine:
             scaled = scaled * self.scaler.scale
         scaled.backward()
         self.micro_step += 1
+        self.pending_micro_steps += 1
+
+    def set_grad_accum(self, micro_batches: int) -> None:
+        """Accumulate the next optimizer step over this many micro-batches (a stage whose
+        micro-batches follow a token budget has as many as its rows need, the same on every rank);
+        only between optimizer steps."""
+        if self.pending_micro_steps:
+            raise RuntimeError(f"{self.name}: set_grad_accum with {self.pending_micro_steps} micro-batches pending")
+        if micro_batches < 1:
+            raise ValueError(f"{self.name}: grad_accum must be >= 1, got {micro_batches}")
+        self.grad_accum = micro_batches
 
     def _local_grads(self) -> list[torch.Tensor]:
         grads = []
@@ -252,6 +264,7 @@ class TrainEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.pending_micro_steps = 0
         self.global_step += 1
         if overflow:
             self._count_skip(grad_norm, counted)

@@ -215,6 +215,8 @@ class PPOConfig(RunConfig):
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
     rollout_parity_tolerance: float | None = bounded(None, ge=0)
     """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.15 bf16/fp16)."""
+    max_tokens_per_micro_batch: int = bounded(0, ge=0)
+    """Training micro-batches by a token budget instead of --micro-batch-size rows: rows of similar length together, each micro-batch at most this many tokens (rows x width without padding), every micro-batch's loss weighted by its share of the minibatch's tokens (rows for sequence-level losses), so the step equals one over the whole minibatch. 0: --micro-batch-size rows."""
     recompute_old_logprobs: bool = False
     """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one forward pass more per iteration)."""
     old_logprob_tolerance: float | None = bounded(None, ge=0)

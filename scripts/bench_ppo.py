@@ -16,6 +16,16 @@ built here and no ratio is printed.
 
 PPO: every response is exactly --new-tokens long (min = max), as the peer's PPO. GRPO/RLOO/
 REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are both reported.
+
+compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics: real
+tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch reaches
+here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
+forward + backward), over the measured iteration time; `phase_fractions` splits it by phase. 1.0
+would be a run that does nothing but its necessary matmuls at that rate.
+
+    python scripts/bench_ppo.py --peer-trl --compile --iterations 7      # torch.compile'd layers
+    python scripts/bench_ppo.py --advantage-estimator grpo --new-tokens 256 --peer-trl \
+        --max-tokens-per-micro-batch 4096                                # responses of 1-256 tokens
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="leading iterations left out of the rates "
                         "(default 1; 3 with --compile, whose recompiles for new shapes land in iterations 1-3)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="rlhf ppo's token budget")
     return parser.parse_args()
 
 
@@ -130,7 +141,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
-        *(["--compile"] if args.compile else []), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
+        *(["--compile"] if args.compile else []), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
     warmup = args.warmup if args.warmup is not None else (3 if args.compile else 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]

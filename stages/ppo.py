@@ -59,7 +59,9 @@ from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_model, export_state_dict
 from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
-from rlhf.engine.micro_batches import column_span, forward_in_micro_batches
+from rlhf.engine.micro_batches import (
+    column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
+)
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.prompt_sharing import response_logprobs, response_prefix, shared_prompt_logprobs
 from rlhf.engine.rollout import default_parity_tolerance, rollout_mode
@@ -158,6 +160,15 @@ def check_batch_arithmetic(config: PPOConfig, ctx: DistributedContext) -> None:
 
 
 # ------------------------------------------------------------------ setup helpers
+
+
+@dataclass(frozen=True)
+class MicroWeight:
+    """A micro-batch's loss weights: for token-level means and for sequence-level means
+    (`micro_batch_weights`; 1.0 each with micro-batches of a fixed number of rows)."""
+
+    tokens: float
+    rows: float
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -482,7 +493,7 @@ class PPOTrainer:
         graph is freed before the actor's forward (peak memory as without it)."""
         config = self.config
         return (config.ppo_epochs == 1 and config.engine.train_batch_size == self.experience_size
-                and config.engine.micro_batch_size >= rows)
+                and config.engine.micro_batch_size >= rows and not config.max_tokens_per_micro_batch)
 
     def kept_critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The critic's values [B, T] (detached) of the whole batch without its all-padding columns;
@@ -545,11 +556,14 @@ class PPOTrainer:
             order = seeded_permutation(len(exp), derive_seed(self.seed, "ppo_minibatches", iteration, ppo_epoch))
             perm = torch.tensor(order)
             for mb_start in range(0, len(exp), per_rank_minibatch):
-                minibatch = perm[mb_start : mb_start + per_rank_minibatch]
-                for s in micro_batch_slices(len(minibatch), micro):
-                    part = exp.select(minibatch[s].to(self.ctx.device)).trimmed()
+                minibatch = perm[mb_start : mb_start + per_rank_minibatch].to(self.ctx.device)
+                parts, weights = self.micro_batches(exp, minibatch, micro)
+                for engine in self.engines.values():
+                    engine.set_grad_accum(len(parts))
+                for rows, weight in zip(parts, weights):
+                    part = exp.select(rows).trimmed()
                     ptx_seed = derive_seed(self.seed, "ptx", iteration, micro_steps, self.ctx.rank)
-                    for k, v in self.micro_step(part, ptx_seed, minibatch[s]).items():
+                    for k, v in self.micro_step(part, ptx_seed, rows, weight).items():
                         sums[k] = sums.get(k, 0.0) + v
                     micro_steps += 1
                 for name, engine in self.engines.items():
@@ -565,11 +579,32 @@ class PPOTrainer:
         return {k: v / max(micro_steps if k in PER_MICRO_METRICS else optimizer_steps, 1)
                 for k, v in zip(keys, reduced.tolist())}
 
-    def micro_step(self, exp: Experience, ptx_seed: int, rows: torch.Tensor) -> dict[str, float]:
+    def micro_batches(self, exp: Experience, minibatch: torch.Tensor,
+                      micro: int) -> tuple[list[torch.Tensor], list[MicroWeight]]:
+        """The minibatch's micro-batches (experience row indices) and their loss weights: rows of
+        --micro-batch-size (weight 1: each micro-batch's mean counts the same), or with
+        --max-tokens-per-micro-batch rows of similar length within the token budget, as many on
+        every rank, each weighted by its share of the global minibatch's tokens and rows."""
+        budget = self.config.max_tokens_per_micro_batch
+        if not budget:
+            parts = [minibatch[s] for s in micro_batch_slices(len(minibatch), micro)]
+            return parts, [MicroWeight(1.0, 1.0)] * len(parts)
+        mask = exp.attention_mask[minibatch]
+        count = int(self.ctx.all_reduce_max(torch.tensor(len(token_budget_micro_batches(mask, budget)))))
+        parts = [minibatch[rows] for rows in token_budget_micro_batches(mask, budget, at_least=count)]
+        tokens = [float(exp.action_mask[rows].sum()) for rows in parts]
+        sizes = [float(len(rows)) for rows in parts]
+        totals = self.ctx.all_reduce_sum(torch.tensor([sum(tokens), sum(sizes)], dtype=torch.float64)).tolist()
+        world = self.ctx.world_size
+        return parts, [MicroWeight(t, r) for t, r in zip(micro_batch_weights(tokens, totals[0], world),
+                                                         micro_batch_weights(sizes, totals[1], world))]
+
+    def micro_step(self, exp: Experience, ptx_seed: int, rows: torch.Tensor,
+                   weight: MicroWeight = MicroWeight(1.0, 1.0)) -> dict[str, float]:
         """Forward/backward of one micro-batch through the actor (policy loss, KL loss term, entropy
-        bonus, PTX) and the critic (value loss)."""
+        bonus, PTX) and the critic (value loss), each term's mean weighted as `weight` says."""
         # The critic first: a kept values graph (`keeps_critic_forward`) is freed before the actor's forward.
-        metrics = self.critic_micro_step(exp, rows) if self.critic is not None else {}
+        metrics = self.critic_micro_step(exp, rows, weight.tokens) if self.critic is not None else {}
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
         # exp.action_mask is shifted (position t scores token t + 1): its first response column is one less.
@@ -587,24 +622,25 @@ class PPOTrainer:
             self.policy_kl_sum += float(kl.sum())
         p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, exp.action_mask, low,
                                                   high, aggregation, normalizer, config.importance_ratio)
-        loss = p_loss
+        per_sample = weight.tokens if aggregation == "token-mean" else weight.rows
+        loss = per_sample * p_loss
         metrics.update(clipfrac=float(clipfrac), approx_kl=float(approx_kl))
         if config.kl_in_loss:
             kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
-            loss = loss + self.kl_ctl.value * kl_term
+            loss = loss + per_sample * self.kl_ctl.value * kl_term
             metrics["kl_loss"] = float(kl_term.detach())
         entropy = masked_mean(entropy, exp.action_mask)
         if config.entropy_coef > 0:
-            loss = loss - config.entropy_coef * entropy
+            loss = loss - weight.tokens * config.entropy_coef * entropy
         if self.ptx_rows:
             ptx = self.ptx_loss(len(exp), ptx_seed, logprobs.device)
-            loss = loss + config.ptx_coef * ptx
+            loss = loss + weight.rows * config.ptx_coef * ptx
             metrics["ptx_loss"] = float(ptx.detach())
         actor.backward(loss)
         metrics.update(policy_loss=float(p_loss.detach()), entropy=float(entropy.detach()))
         return metrics
 
-    def critic_micro_step(self, exp: Experience, rows: torch.Tensor) -> dict[str, float]:
+    def critic_micro_step(self, exp: Experience, rows: torch.Tensor, weight: float = 1.0) -> dict[str, float]:
         """The critic's clipped value loss on one micro-batch (the experience's `rows`, trimmed),
         forward and backward; the forward is the experience pass's kept one when there is one."""
         started = time.perf_counter()
@@ -615,7 +651,7 @@ class PPOTrainer:
             values = critic_values(self.critic.model, exp.sequences, exp.attention_mask)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)
-        self.critic.backward(v_loss)
+        self.critic.backward(weight * v_loss)
         self.critic_seconds += time.perf_counter() - started
         return {"value_loss": float(v_loss.detach()), "value_clipfrac": float(v_clipfrac)}
 

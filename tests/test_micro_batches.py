@@ -97,3 +97,51 @@ def test_trimmed_values_and_losses_equal_the_padded_ones() -> None:
     torch.testing.assert_close(v_short, v_full, atol=1e-6, rtol=1e-5)
     for a, b in zip(g_short, g_full):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_token_budget_micro_batches() -> None:
+    _, mask = ragged_batch()
+    from rlhf.engine.micro_batches import padded_tokens, token_budget_micro_batches
+
+    parts = token_budget_micro_batches(mask, budget=40)
+    assert sorted(torch.cat(parts).tolist()) == list(range(7))
+    for rows in parts:  # within the budget, unless a single row is longer than it
+        assert padded_tokens(mask[rows]) <= 40 or len(rows) == 1
+    lengths = [mask[rows].sum(-1) for rows in parts]  # longest first, similar lengths together
+    assert all(a.min() >= b.max() for a, b in zip(lengths, lengths[1:]))
+    assert len(token_budget_micro_batches(mask, budget=10**6)) == 1
+    assert len(token_budget_micro_batches(mask, budget=10**6, at_least=3)) == 3  # another rank needs 3
+    assert [len(p) for p in token_budget_micro_batches(mask, budget=1)] == [1] * 7
+
+
+def test_weighted_micro_batches_give_the_whole_minibatch_gradient() -> None:
+    """Token-mean policy loss and value loss over a ragged minibatch, cut into length-sorted
+    micro-batches and weighted by `micro_batch_weights` (then averaged, as the engine does): the
+    gradient of one micro-batch holding everything; the plain mean of micro-batch means is not."""
+    from rlhf.engine.micro_batches import micro_batch_weights, token_budget_micro_batches
+
+    actor = build_tiny_model("llama", build_char_tokenizer(), seed=0).train()
+    sequences, mask = ragged_batch()
+    actions = mask.clone().bool()
+    actions[:, :PROMPT] = False
+    shifted = actions[:, 1:]
+    gen = torch.Generator().manual_seed(1)
+    old, advantages = torch.randn(shifted.shape, generator=gen) - 4, torch.randn(shifted.shape, generator=gen)
+
+    def grads(parts: list[torch.Tensor], weights: list[float]) -> list[torch.Tensor]:
+        actor.zero_grad()
+        for rows, weight in zip(parts, weights):
+            logprobs, _ = causal_lm_logprobs(actor, sequences[rows], mask[rows])
+            loss, _, _ = policy_loss(logprobs, old[rows], advantages[rows], shifted[rows], 0.2, 0.2)
+            (weight * loss / len(parts)).backward()
+        return [p.grad.clone() for p in actor.parameters()]
+
+    whole = grads([torch.arange(7)], [1.0])
+    parts = token_budget_micro_batches(mask, budget=40)
+    assert len(parts) >= 3
+    tokens = [float(shifted[rows].sum()) for rows in parts]
+    weighted = grads(parts, micro_batch_weights(tokens, sum(tokens), world_size=1))
+    for a, b in zip(weighted, whole):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    unweighted = grads(parts, [1.0] * len(parts))
+    assert not all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(unweighted, whole))

@@ -95,3 +95,58 @@ def test_kept_critic_forward_trains_the_critic_as_a_second_forward_would(tiny_mo
         for key in ("value_loss", "critic_grad_norm", "value_explained_variance", "policy_loss", "actor_grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert kept[0]["training_gflop"] < twice[0]["training_gflop"]
+
+
+@pytest.mark.parametrize("fast", ["auto", False])
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_dropping_finished_rows_changes_no_token(tok, fast, do_sample) -> None:
+    """Rows that finished are dropped from the decode batch at sync points (KV cache rows too);
+    every other row draws the tokens it draws without that, with the same log-probs."""
+    model = build_tiny_model("llama", tok, seed=0).eval()
+    enc = tok(PROMPTS * 3, return_tensors="pt", padding=True)
+    stops = list(range(10, 30))  # 20 of ~100 ids end a response: rows finish at many different steps
+    outs = []
+    for drop in (True, False):
+        params = SamplingParams(max_new_tokens=40, temperature=1.0, do_sample=do_sample, eos_token_id=stops,
+                                pad_token_id=tok.pad_token_id, sync_every=2, drop_finished=drop)
+        outs.append(generate(model, enc.input_ids, enc.attention_mask, params, torch.Generator().manual_seed(3),
+                             fast=fast, samples_per_prompt=2))
+    dropped, kept = outs
+    lengths = kept.response_lengths
+    assert kept.finished.any() and lengths.min() < lengths.max() - 4
+    assert torch.equal(dropped.sequences, kept.sequences)
+    assert torch.equal(dropped.action_mask, kept.action_mask)
+    torch.testing.assert_close(dropped.logprobs, kept.logprobs, atol=1e-5, rtol=0)
+
+
+def test_token_budget_micro_batches_train_as_one_micro_batch(tiny_model_dirs, prompts, tmp_path) -> None:
+    """--max-tokens-per-micro-batch: several length-sorted micro-batches, weighted, give the
+    step of one micro-batch over the whole minibatch."""
+    model = tiny_model_dirs["llama"]
+    fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8")
+    whole = _ppo(model, prompts, tmp_path / "whole", *fixed)
+    budget = _ppo(model, prompts, tmp_path / "budget", *fixed, "--max-tokens-per-micro-batch", "40")
+    # (The logged losses are means over micro-batches, so only the steps are compared.)
+    for a, b in zip(budget, whole):
+        for key in ("critic_grad_norm", "actor_grad_norm", "kl", "score_mean", "value_explained_variance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts) -> None:
+    """Ranks cut their rows into as many micro-batches (the most any rank needs) and weight them
+    by the global token count: 2 ranks with ZeRO-3 take the step one rank takes."""
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.tiny import save_tiny_model
+    from rlhf.models.value_model import ValueModel
+    from tests.conftest import one_and_two_rank_metrics
+
+    actor = save_tiny_model(tmp_path / "actor", "llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    reward = tmp_path / "rm"
+    ValueModel.from_causal_lm_dir(actor, head_init_std=0.5).save_pretrained(reward)
+    load_tokenizer(str(actor)).save_pretrained(reward)
+    args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
+            "--max-new-tokens", "6", "--greedy", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
+            "--optimizer-impl", "torch", "--lr", "1e-3", "--max-tokens-per-micro-batch", "30"]
+    a, b = one_and_two_rank_metrics(args, tmp_path)
+    for key in ("score_mean", "kl", "actor_grad_norm", "critic_grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

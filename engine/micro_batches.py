@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["column_span", "forward_in_micro_batches", "length_sorted_micro_batches", "micro_batch_weights",
+__all__ = ["budget_partition", "column_span", "forward_in_micro_batches", "length_sorted_micro_batches", "micro_batch_weights",
            "padded_tokens", "token_budget_micro_batches"]
 
 
@@ -71,30 +71,37 @@ def padded_tokens(attention_mask: torch.Tensor) -> int:
     return attention_mask.shape[0] * (hi - lo)
 
 
+def budget_partition(order: list[int], cost: Callable[[list[int]], int], budget: int,
+                     at_least: int = 1) -> list[list[int]]:
+    """Consecutive runs of `order` whose cost (e.g. padded tokens) stays within `budget`; an item
+    over the budget alone is a run of its own. Runs are halved (the costliest first) until there
+    are `at_least` of them, so that every rank can run the same number of forwards."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    if at_least > len(order):
+        raise ValueError(f"cannot make {at_least} micro-batches of {len(order)} rows")
+    parts: list[list[int]] = []
+    current: list[int] = []
+    for item in order:
+        if current and cost(current + [item]) > budget:
+            parts.append(current)
+            current = []
+        current.append(item)
+    if current:
+        parts.append(current)
+    while len(parts) < at_least:
+        largest = max(range(len(parts)), key=lambda i: (len(parts[i]) > 1, cost(parts[i])))
+        items = parts.pop(largest)
+        parts[largest:largest] = [items[: len(items) // 2], items[len(items) // 2 :]]
+    return parts
+
+
 def token_budget_micro_batches(attention_mask: torch.Tensor, budget: int, at_least: int = 1) -> list[torch.Tensor]:
     """Row indices of micro-batches of rows of similar length (sorted, longest first) whose padded
     size (rows x trimmed width) stays within `budget` tokens (DeepSpeed's / verl's dynamic batch
-    size); a row longer than the budget is a micro-batch of its own. Split further (the largest
-    first) until there are `at_least` of them, so that every rank can run the same number of
-    forwards (FSDP's collectives run once per forward on each rank)."""
-    if budget < 1:
-        raise ValueError(f"token budget must be >= 1, got {budget}")
-    order = torch.argsort(attention_mask.sum(dim=-1), descending=True, stable=True)
-    parts: list[list[int]] = []
-    current: list[int] = []
-    for row in order.tolist():
-        if current and padded_tokens(attention_mask[current + [row]]) > budget:
-            parts.append(current)
-            current = []
-        current.append(row)
-    if current:
-        parts.append(current)
-    if at_least > attention_mask.shape[0]:
-        raise ValueError(f"cannot make {at_least} micro-batches of {attention_mask.shape[0]} rows")
-    while len(parts) < at_least:
-        largest = max(range(len(parts)), key=lambda i: (len(parts[i]) > 1, padded_tokens(attention_mask[parts[i]])))
-        rows = parts.pop(largest)
-        parts[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    size), at least `at_least` of them (`budget_partition`)."""
+    order = torch.argsort(attention_mask.sum(dim=-1), descending=True, stable=True).tolist()
+    parts = budget_partition(order, lambda rows: padded_tokens(attention_mask[rows]), budget, at_least)
     return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
 
 

@@ -137,6 +137,8 @@ class StageConfig(RunConfig):
 
     model: str = ""
     """Starting model: a local Hugging Face folder (e.g. a previous stage's <output>/model) or a hub name."""
+    max_tokens_per_micro_batch: int = bounded(0, ge=0)
+    """Regroup each optimizer step's rows (micro_batch_size x grad_accum per rank) by length into micro-batches of at most this many padded tokens, as many on every rank: the loss is normalised by the step's global token (pair) count either way, so the step is the same, with less padding. 0: micro_batch_size rows each."""
 
 
 @dataclass

@@ -157,6 +157,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
     result = run_training(
         "reward", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
         loss_fn, eval_fn if eval_rows else None,
+        row_lengths=lambda row: [len(row["chosen_ids"]), len(row["rejected_ids"])],
     )
 
     evaluation = final_evaluation(engine, train_rows, result.eval_metrics if eval_rows else None, collate, tracker)

@@ -71,7 +71,7 @@ def run(config: SFTConfig) -> dict[str, Any]:
 
     result = run_training(
         "sft", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
-        sft_loss, eval_fn if eval_rows else None,
+        sft_loss, eval_fn if eval_rows else None, row_lengths=lambda row: [len(row["input_ids"])],
     )
     export_model(engine, output / "model", tokenizer)
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
+from rlhf.engine.micro_batches import budget_partition
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
@@ -250,14 +251,37 @@ def drop_rows_after(tracker: Tracker, step: int, ctx: DistributedContext) -> Non
             log.info("resume: %d %s rows after step %d removed; those steps run again", dropped, rows.path.name, step)
 
 
+RowLengths = Callable[[Any], list[int]]
+"""The lengths of the sequences a row collates to (an SFT example: one; a preference pair: two)."""
+
+
+def budget_micro_batches(rows: list[Any], row_lengths: RowLengths, budget: int,
+                         ctx: DistributedContext) -> list[list[Any]]:
+    """This rank's rows of a step regrouped by length (longest first) into micro-batches of at
+    most `budget` padded tokens (sequences x the longest), as many as the rank that needs the
+    most (every rank runs the same number of forwards)."""
+    lengths = [row_lengths(r) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: -max(lengths[i]))
+
+    def cost(items: list[int]) -> int:
+        return sum(len(lengths[i]) for i in items) * max(max(lengths[i]) for i in items)
+
+    count = int(ctx.all_reduce_max(torch.tensor(len(budget_partition(order, cost, budget)))))
+    return [[rows[i] for i in part] for part in budget_partition(order, cost, budget, count)]
+
+
 def train_step(
     engine: TrainEngine, ctx: DistributedContext, micro_batches: list[list[Any]], collate: Callable[[list[Any]], Batch],
-    loss_fn: LossFn, grad_accum: int, epoch: int,
+    loss_fn: LossFn, epoch: int, budget: int = 0, row_lengths: RowLengths | None = None,
 ) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches (rows); the step's metrics, reduced over ranks."""
+    """One optimizer step over this rank's micro-batches (rows; regrouped by `budget_micro_batches`
+    when `budget` > 0); the step's metrics, reduced over ranks."""
     t0 = time.perf_counter()
+    if budget and row_lengths is not None:
+        micro_batches = budget_micro_batches([r for rows in micro_batches for r in rows], row_lengths, budget, ctx)
+    engine.set_grad_accum(len(micro_batches))
     batches = [collate(rows) for rows in micro_batches]
-    scale = grad_accum * ctx.world_size
+    scale = len(micro_batches) * ctx.world_size
     sums: dict[str, float] = {"loss": 0.0}
     # Normalise by the units (tokens or pairs) of the whole global batch, known up front.
     global_units = float(ctx.all_reduce_sum(sum(float(b["num_units"]) for b in batches)))
@@ -315,6 +339,7 @@ def run_training(
     collate: Callable[[list[Any]], Batch],
     loss_fn: LossFn,
     eval_fn: Callable[[], dict[str, float]] | None,
+    row_lengths: RowLengths | None = None,
 ) -> LoopResult:
     """Train `engine` on `rows` for `total_steps` optimizer steps, with eval, checkpoints, resume."""
     plan = replace(plan, world_size=ctx.world_size, rank=ctx.rank)
@@ -329,7 +354,8 @@ def run_training(
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]
-            metrics = train_step(engine, ctx, step_rows, collate, loss_fn, plan.grad_accum, epoch)
+            metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch, config.max_tokens_per_micro_batch,
+                                 row_lengths)
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:

@@ -1,0 +1,60 @@
+"""--max-tokens-per-micro-batch for `rlhf sft` and `rlhf reward`: each step's rows regrouped by
+length into micro-batches within the budget take the step the fixed micro-batches take (the loss
+is normalised by the step's global token or pair count either way)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import main
+from rlhf.data.tasks import SortTask, build_preference_rows
+from rlhf.engine.micro_batches import budget_partition
+from rlhf.models.tiny import save_tiny_model
+from tests.conftest import read_metrics, write_jsonl
+
+COMMON = ["--report-to", "none", "--optimizer-impl", "torch", "--dtype", "fp32", "--zero-stage", "3",
+          "--lr", "3e-3", "--lr-scheduler", "constant", "--max-steps", "4", "--micro-batch-size", "4",
+          "--grad-accum", "2"]
+
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_only")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("budget") / "base", "llama", seed=0,
+                           hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def steps(output: Path) -> list[dict]:
+    return [r for r in read_metrics(output) if "loss" in r]
+
+
+def test_budget_partition() -> None:
+    cost = lambda items: len(items) * max(items)  # noqa: E731  (items are their own lengths)
+    assert budget_partition([9, 8, 5, 4, 4, 1], cost, budget=16) == [[9], [8, 5], [4, 4, 1]]  # 2 x 8, 3 x 4
+    assert budget_partition([9, 8, 5, 4, 4, 1], cost, budget=100) == [[9, 8, 5, 4, 4, 1]]
+    assert budget_partition([9, 8, 5, 4, 4, 1], cost, budget=100, at_least=3) == [[9], [8, 5], [4, 4, 1]]
+    with pytest.raises(ValueError):
+        budget_partition([1, 2], cost, budget=10, at_least=3)
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_budget_micro_batches_take_the_fixed_step(stage: str, model: Path, sft_data: Path, tmp_path: Path) -> None:
+    if stage == "sft":
+        data = sft_data
+    else:
+        task = SortTask(min_len=2, max_len=6, alphabet="abcdefgh", mistakes=("swap", "unsorted", "repeat"))
+        data = write_jsonl(tmp_path / "pairs.jsonl", build_preference_rows(task, 64, seed=0))
+    extra = ["--value-head-init-std", "0.5"] if stage == "reward" else []
+    runs = {}
+    for name, budget in (("fixed", []), ("budget", ["--max-tokens-per-micro-batch", "40"])):
+        out = tmp_path / name
+        main([stage, "--model", str(model), "--data", str(data), "--output", str(out), *COMMON, *extra, *budget])
+        runs[name] = steps(out)
+    assert len(runs["fixed"]) == len(runs["budget"]) == 4
+    for a, b in zip(runs["budget"], runs["fixed"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

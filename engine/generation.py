@@ -81,7 +81,8 @@ class GenerationOutput:
         return self.action_mask.sum(dim=-1)
 
 
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """The model's forward takes transformers' `logits_to_keep` (the LM head on the last positions only)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
@@ -107,7 +108,7 @@ def _cached_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             cache: RolloutKVCache) -> torch.Tensor:
     """Run the prompt through the model, filling the cache; -> [B, V] logits of the last position."""
-    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     return _cached_forward(model, input_ids, attention_mask, position_ids, cache, **kwargs)
 
 

@@ -14,11 +14,10 @@ drop the cache), take the plain forward.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
+from rlhf.engine.generation import accepts_logits_to_keep
 from rlhf.engine.logprobs import entropy_from_logits_chunked, logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 
@@ -49,14 +48,6 @@ def _expand_cache(cache: object, index: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, index)
 
 
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    forward = getattr(model, "forward", None)
-    try:
-        return "logits_to_keep" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _scattered(values: torch.Tensor, width: int, start: int) -> torch.Tensor:
     """[B, width - 1 - start] values of positions start .. width-2, placed in a [B, width - 1] of zeros."""
     if start == 0:
@@ -74,7 +65,7 @@ def response_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask:
     """
     width = sequences.shape[1]
     start = max(response_start - 1, 0)  # the position whose logits score column response_start
-    keep = {"logits_to_keep": width - start} if start > 0 and _accepts_logits_to_keep(model) else {}
+    keep = {"logits_to_keep": width - start} if start > 0 and accepts_logits_to_keep(model) else {}
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), use_cache=False, **keep).logits
     if not keep:

@@ -116,6 +116,19 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLHF_FORCE_CPU", "1")
 
 
+def tiny_actor_and_reward(root: Path) -> tuple[Path, Path]:
+    """A tiny GQA Llama actor and a reward model made from it (random head, std 0.5), for the 2-rank PPO tests."""
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.tiny import save_tiny_model
+    from rlhf.models.value_model import ValueModel
+
+    actor = save_tiny_model(root / "actor", "llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    reward = root / "rm"
+    ValueModel.from_causal_lm_dir(actor, head_init_std=0.5).save_pretrained(reward)
+    load_tokenizer(str(actor)).save_pretrained(reward)
+    return actor, reward
+
+
 def one_and_two_rank_metrics(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
     """The first metrics row of `rlhf ARGS` on one rank (generation batch 8, micro 4) and on two
     ranks with a TP-2 rollout (4 and 2 per rank: the same global batch)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.cli import main
-from tests.conftest import one_and_two_rank_metrics, read_metrics, write_jsonl
+from tests.conftest import one_and_two_rank_metrics, read_metrics, tiny_actor_and_reward, write_jsonl
 
 LETTER_TASK = """
 from rlhf.data.tasks import TASKS
@@ -74,15 +74,7 @@ def test_score_rises_while_kl_stays_bounded(tiny_model_dirs, prompts, letter_tas
 
 
 def test_two_ranks_zero3_tp2_match_world_size_one(tmp_path, prompts):
-    from rlhf.models.value_model import ValueModel
-    from rlhf.models.tiny import save_tiny_model
-
-    actor = save_tiny_model(tmp_path / "actor", "llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    reward = tmp_path / "rm"
-    ValueModel.from_causal_lm_dir(actor, head_init_std=0.5).save_pretrained(reward)
-    from rlhf.models.loading import load_tokenizer
-
-    load_tokenizer(str(actor)).save_pretrained(reward)
+    actor, reward = tiny_actor_and_reward(tmp_path)
     args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
             "--max-new-tokens", "6", "--greedy", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
             "--optimizer-impl", "torch", "--lr", "1e-3", "--ppo-epochs", "2"]

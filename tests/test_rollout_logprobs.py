@@ -135,15 +135,9 @@ def test_token_budget_micro_batches_train_as_one_micro_batch(tiny_model_dirs, pr
 def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts) -> None:
     """Ranks cut their rows into as many micro-batches (the most any rank needs) and weight them
     by the global token count: 2 ranks with ZeRO-3 take the step one rank takes."""
-    from rlhf.models.loading import load_tokenizer
-    from rlhf.models.tiny import save_tiny_model
-    from rlhf.models.value_model import ValueModel
-    from tests.conftest import one_and_two_rank_metrics
+    from tests.conftest import one_and_two_rank_metrics, tiny_actor_and_reward
 
-    actor = save_tiny_model(tmp_path / "actor", "llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    reward = tmp_path / "rm"
-    ValueModel.from_causal_lm_dir(actor, head_init_std=0.5).save_pretrained(reward)
-    load_tokenizer(str(actor)).save_pretrained(reward)
+    actor, reward = tiny_actor_and_reward(tmp_path)
     args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
             "--max-new-tokens", "6", "--greedy", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
             "--optimizer-impl", "torch", "--lr", "1e-3", "--max-tokens-per-micro-batch", "30"]

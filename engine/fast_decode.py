@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -286,6 +287,17 @@ class FastLlamaDecoder:
             if cpu_kernel is True:
                 raise ValueError(f"FastLlamaDecoder(cpu_kernel=True): {reason}")
             return None
+        return self.kernel_step_from(module, isa)
+
+    def use_kernel_step(self, module: ModuleType, isa: str) -> None:
+        """Decode steps from now on run `module`'s fused step (an `rlhf_cpu_decode` build) with
+        kernels `isa`: how the op's load-time self-test (engine/op_selftests.py) runs the build
+        it checks before the loader hands that build to anyone."""
+        self._kernel_step = self.kernel_step_from(module, isa)
+        self.kernel_isa = self._kernel_step.isa
+
+    def kernel_step_from(self, module: ModuleType, isa: str) -> Any:
+        """`module`'s fused decode step over this decoder's weights, RoPE tables and KV cache."""
         none = self.embed.new_empty(0)  # the op's "no bias"
         tensors, eps = [], []
         for w in self.layers:

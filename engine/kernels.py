@@ -258,6 +258,23 @@ def sample_tokens_reference(
     return sample_from_logits(process_logits(logits, temperature, top_k, top_p), generator, uniform)
 
 
+def draw_explained_by_rounding(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float, token: int
+) -> bool:
+    """Whether a sampler that drew `token` from the 1-D `logits` with uniform `u` differs from
+    `sample_tokens_reference` only by float32 rounding: `u` lies within rounding of the edge of
+    `token`'s CDF step, and `token` has mass after filtering. How a fused sampler is judged."""
+    if temperature <= 0:
+        return False  # greedy has no draw to round
+    scores = process_logits(logits[None].double(), temperature, top_k, top_p)[0]
+    mass = torch.exp(scores - scores.max())
+    cdf = mass.cumsum(0)
+    target = u * cdf[-1]
+    lo = cdf[token - 1] if token > 0 else cdf.new_zeros(())
+    slack = 1e-5 * cdf[-1]
+    return bool(mass[token] > 0 and lo - slack <= target <= cdf[token] + slack)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
     generator: torch.Generator | None = None, uniform: torch.Tensor | None = None,
@@ -306,6 +323,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_kernel_unsupported_reason",
     "decode_attention_reference",
+    "draw_explained_by_rounding",
     "filter_logits_reference",
     "generation_kernels",
     "generation_kernels_enabled",

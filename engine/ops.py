@@ -1,18 +1,29 @@
-"""Loaders for the csrc custom ops: JIT-built on first use, cached, with a torch fallback.
+"""Loaders for the csrc custom ops: JIT-built on first use, cached, self-tested, with a torch fallback.
 
 Each op is registered with an `OpSpec`. `load_op(name)` builds it once per process with
 torch.utils.cpp_extension (ninja) into a cache folder keyed by torch version, and returns the
 extension module; when no compiler (or no GPU for a CUDA op) is available, or the build fails,
 it logs one warning and returns None so the caller takes its PyTorch reference path.
-`op_report()` is what `rlhf report` prints.
+
+A build that loads is not trusted yet: the first time a build is loaded for a device, its
+self-test (engine/op_selftests.py) runs it against its PyTorch reference on small inputs. A
+mismatch (or an error the op raises) disables the op for the run, with one warning naming the
+op, the device and the difference, and the torch path is used. The verdict is cached beside the
+build (`selftest.json`, keyed by device and by the build's hash), so later processes on that
+device read it instead of testing again. `RLHF_OPS_SELFTEST=0` skips the self-tests.
+`op_report()` is what `rlhf report` prints, with every device's cached verdict.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import shutil
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -38,12 +49,28 @@ class OpSpec:
     extra_ldflags: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class SelfTestVerdict:
+    """The outcome of one op build's self-test on one device."""
+
+    device: str
+    """What it ran on: `device_description` (CPU model, or GPU name and compute capability)."""
+    build: str
+    """Hash of the built library: a rebuild is tested again."""
+    passed: bool
+    detail: str
+    """The self-test's summary (max difference), or what differed or failed."""
+    seconds: float
+
+
 @dataclass
 class _OpState:
     spec: OpSpec
     module: ModuleType | None = None
     tried: bool = False
     error: str | None = None
+    verdict: SelfTestVerdict | None = None
+    """This process's verdict (run now or read from the cache); None when not checked."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -110,11 +137,119 @@ def load_op(name: str) -> ModuleType | None:
             state.error = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
             log.warning("op %s not built (%s); using the PyTorch reference path", name, state.error)
             return None
+        _check_build(state)
         return state.module
 
 
-def op_report() -> list[dict[str, str | bool | None]]:
-    """One row per registered op: name, whether it needs CUDA, whether built, why not."""
+# ------------------------------------------------------------------------------ self-tests
+
+
+def self_test_enabled() -> bool:
+    """False when RLHF_OPS_SELFTEST=0 asks to trust builds without checking them."""
+    return os.environ.get("RLHF_OPS_SELFTEST", "1") != "0"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def op_device(spec: OpSpec) -> torch.device:
+    """The device a build of `spec` runs on in this process (the current GPU for a CUDA op)."""
+    return torch.device("cuda", torch.cuda.current_device()) if spec.needs_cuda else torch.device("cpu")
+
+
+def device_description(device: torch.device) -> str:
+    """The verdict cache's key for a device: a verdict holds for every device of that model."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda {props.name} sm_{props.major}{props.minor}"
+    return f"cpu {_cpu_model()}"
+
+
+def build_hash(module: ModuleType) -> str:
+    """Hash of the module's shared library (16 hex digits), or "unknown" when it has no file."""
+    path = getattr(module, "__file__", None)
+    if not path or not Path(path).is_file():
+        return "unknown"
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def verdict_file(name: str) -> Path:
+    """Where an op's self-test verdicts are cached: beside its build."""
+    return build_directory(name) / "selftest.json"
+
+
+def cached_verdicts(name: str) -> list[SelfTestVerdict]:
+    """Every verdict cached for op `name` (one per device model), for `rlhf report`."""
+    try:
+        rows = json.loads(verdict_file(name).read_text())
+        return [SelfTestVerdict(**row) for row in rows.values()]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _store_verdict(name: str, verdict: SelfTestVerdict) -> None:
+    """Add `verdict` to the cache file, atomically (ranks of one job may write at once)."""
+    path = verdict_file(name)
+    rows = {v.device: asdict(v) for v in cached_verdicts(name)}
+    rows[verdict.device] = asdict(verdict)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(rows, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache only costs the next process a re-test
+        log.info("op %s: could not cache its self-test verdict in %s (%s)", name, path, exc)
+
+
+def run_self_test(name: str, module: ModuleType, device: torch.device) -> SelfTestVerdict:
+    """Run op `name`'s self-test on `module` now (own RNG state, no autograd); never raises."""
+    from rlhf.engine.op_selftests import SELF_TESTS  # imports the references: not timed
+
+    test = SELF_TESTS[name]
+    start = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            detail, passed = test(module, device), True
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # an asynchronous kernel fault surfaces here
+    except Exception as exc:  # a wrong or crashing op is exactly what this catches
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        detail, passed = f"{type(exc).__name__}: {first_line[:300]}", False
+    return SelfTestVerdict(device_description(device), build_hash(module), passed, detail,
+                           round(time.perf_counter() - start, 4))
+
+
+def _check_build(state: _OpState) -> None:
+    """Give `state`'s freshly loaded build its verdict for this device (cached or run now);
+    a failing build is dropped, so callers take the torch path."""
+    spec, module = state.spec, state.module
+    if module is None or not self_test_enabled():
+        return
+    device = op_device(spec)
+    key, build = device_description(device), build_hash(module)
+    cached = [v for v in cached_verdicts(spec.name) if v.device == key and v.build == build and build != "unknown"]
+    verdict = cached[0] if cached else run_self_test(spec.name, module, device)
+    if not cached:
+        _store_verdict(spec.name, verdict)
+        log.info("op %s: self-test on %s %s in %.3f s (%s)", spec.name, key, "passed" if verdict.passed else "FAILED",
+                 verdict.seconds, verdict.detail)
+    state.verdict = verdict
+    if not verdict.passed:
+        state.module = None
+        state.error = f"self-test failed on {key}: {verdict.detail}"
+        log.warning("op %s disabled on %s: its self-test against the PyTorch reference failed (%s); using the "
+                    "PyTorch reference path", spec.name, key, verdict.detail)
+
+
+def op_report() -> list[dict[str, object]]:
+    """One row per registered op: name, whether it needs CUDA, whether built (and passed its
+    self-test), why not, this process's verdict and every device's cached verdict."""
     return [
         {
             "name": s.spec.name,
@@ -122,6 +257,13 @@ def op_report() -> list[dict[str, str | bool | None]]:
             "built": s.module is not None,
             "tried": s.tried,
             "error": s.error,
+            "verdict": s.verdict,
+            "cached_verdicts": cached_verdicts(s.spec.name),
         }
         for s in _OPS.values()
     ]
+
+
+def registered_ops() -> list[OpSpec]:
+    """Every op registered so far (the modules that define ops register them on import)."""
+    return [s.spec for s in _OPS.values()]

@@ -1,4 +1,5 @@
-"""`rlhf report`: environment versions and the build state of every csrc op."""
+"""`rlhf report`: environment versions, the build state of every csrc op and its self-test
+verdict on every device it has been loaded on (engine/ops.py)."""
 
 from __future__ import annotations
 
@@ -34,5 +35,15 @@ def print_report() -> None:
         load_op(str(row["name"]))
     for row in op_report():
         state = "built" if row["built"] else f"not built ({row['error']})"
+        if row["built"] and row["verdict"] is None:
+            state = "built, self-test skipped (RLHF_OPS_SELFTEST=0)"
+        elif row["verdict"] is not None and row["built"]:
+            state = "built, self-test passed"
+        elif row["verdict"] is not None:
+            state = f"disabled: {row['error']}"
         kind = "cuda" if row["needs_cuda"] else "cpu"
         click.echo(f"  {row['name']:<28} {kind:<5} {state}")
+        for verdict in row["cached_verdicts"]:
+            outcome = "passed" if verdict.passed else "FAILED"
+            click.echo(f"      self-test {outcome} on {verdict.device} (build {verdict.build}, {verdict.seconds:.3f} s): "
+                       f"{verdict.detail}")

@@ -274,20 +274,6 @@ SAMPLING_SETTINGS = [
 ]
 
 
-def _explained_by_rounding(logits: torch.Tensor, setting: tuple[float, int, float], u: float, token: int) -> bool:
-    """True when the draw u lies within float32 rounding of the CDF boundary at `token`."""
-    temperature, top_k, top_p = setting
-    if temperature <= 0:
-        return False  # greedy has no draw to round
-    scores = filter_logits_reference(logits[None].double(), temperature, top_k, top_p)[0]
-    mass = torch.exp(scores - scores.max())
-    cdf = mass.cumsum(0)
-    target = u * cdf[-1]
-    lo = cdf[token - 1] if token > 0 else cdf.new_zeros(())
-    slack = 1e-5 * cdf[-1]
-    return bool(mass[token] > 0 and lo - slack <= target <= cdf[token] + slack)
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -304,7 +290,7 @@ def test_cuda_sampling_matches_reference(vocab: int, dtype: torch.dtype) -> None
             want = sample_tokens_reference(logits, *setting, uniform=u)
             assert got.dtype == torch.int64 and got.shape == (batch,)
             for row in torch.nonzero(got != want).flatten().tolist():
-                assert _explained_by_rounding(logits[row].float(), setting, u[row].item(), got[row].item()), (
+                assert kernels.draw_explained_by_rounding(logits[row].float(), *setting, u[row].item(), got[row].item()), (
                     f"row {row} setting {setting}: kernel {got[row].item()} reference {want[row].item()}"
                 )
 

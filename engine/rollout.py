@@ -5,22 +5,25 @@
     # back in train mode: inference copies and cache freed, training params untouched
 
 The transition is an explicit sequence, memory logged at each step:
-  1. build an inference skeleton of the actor on the meta device and materialise it in the compute
-     dtype; apply the model family's tensor-parallel plan (HF `base_model_tp_plan`: attention and
-     MLP projections colwise/rowwise) over the TP sub-mesh;
+  1. the first time: build an inference skeleton of the actor on the meta device and materialise it
+     in the compute dtype; apply the model family's tensor-parallel plan (HF `base_model_tp_plan`:
+     attention and MLP projections colwise/rowwise) over the TP sub-mesh. The skeleton is kept
+     with the engine and reused by every later switch (`RolloutSkeleton`): its parameter storage
+     is released on exit and allocated again on entry, so nothing is rebuilt and train mode does
+     not pay for an idle copy;
   2. fill it from the training shards param by param with DTensor redistribution: when the TP group
      spans the FSDP group and the dim divides evenly, each rank receives only the slices it needs
      (colwise: none, rowwise: an all-to-all); otherwise the param is gathered and sliced;
   3. generation allocates its KV cache (the last allocation);
   4. a parity check compares train-mode and rollout-mode log-probs of a few generated tokens and
      raises past a tolerance;
-  5. on exit the inference copies and cache are dropped; the training params were only read.
+  5. on exit the inference copies' storage and the cache are freed; the training params were only
+     read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import weakref
 from collections.abc import Iterator
@@ -110,6 +113,55 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+class RolloutSkeleton:
+    """An actor's inference skeleton, kept across rollouts: built once, its parameter storage
+    released between them (`release`) and allocated again before the weights are loaded
+    (`allocate`). Module structure, TP wrappers and buffers (RoPE tables) stay."""
+
+    def __init__(self, model: nn.Module, tp_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.tp_size = tp_size
+        self.dtype = dtype
+        # Unique parameters only (a tied head is the embedding), with their storage sizes.
+        self._storages = [(local, local.untyped_storage().nbytes())
+                          for local in (_local(p) for p in model.parameters())]
+        self.allocated = True
+
+    def release(self) -> None:
+        """Free the parameter storage (the tensors stay, empty, until `allocate`)."""
+        for local, _ in self._storages:
+            local.untyped_storage().resize_(0)
+        self.allocated = False
+
+    def allocate(self) -> None:
+        """Give every parameter its storage back (uninitialised: `load_rollout_weights` fills it)."""
+        for local, nbytes in self._storages:
+            storage = local.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        self.allocated = True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+_SKELETONS: weakref.WeakKeyDictionary[TrainEngine, RolloutSkeleton] = weakref.WeakKeyDictionary()
+
+
+def rollout_skeleton(engine: TrainEngine, tp_size: int, dtype: torch.dtype) -> RolloutSkeleton:
+    """`engine`'s kept skeleton with its storage allocated, built on the first call (or when the
+    TP size or dtype changed)."""
+    skeleton = _SKELETONS.get(engine)
+    if skeleton is None or skeleton.tp_size != tp_size or skeleton.dtype != dtype:
+        skeleton = RolloutSkeleton(build_inference_skeleton(engine.model, engine.ctx, tp_size, dtype), tp_size, dtype)
+        _SKELETONS[engine] = skeleton
+        log.info("rollout mode: inference skeleton built (kept for later rollouts)")
+    elif not skeleton.allocated:
+        skeleton.allocate()
+    return skeleton
 
 
 def _local_target(src: torch.Tensor, dst: torch.Tensor, ctx: DistributedContext, tp_size: int) -> torch.Tensor:
@@ -213,21 +265,16 @@ def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None 
     was_training = engine.model.training
     log.info("rollout mode: enter (train mode: %s)", memory_snapshot(ctx.device))
     engine.model.eval()
-    inference = build_inference_skeleton(engine.model, ctx, tp_size, dtype)
-    moved = load_rollout_weights(inference, engine.model, ctx, tp_size)
+    skeleton = rollout_skeleton(engine, tp_size, dtype)
+    moved = load_rollout_weights(skeleton.model, engine.model, ctx, tp_size)
     log.info("rollout mode: tp=%d weights loaded (%.1f MiB local, %s)", tp_size, moved / 2**20, memory_snapshot(ctx.device))
-    rollout = Rollout(inference, engine, tolerance if tolerance is not None else default_parity_tolerance(engine.dtype))
+    rollout = Rollout(skeleton.model, engine, tolerance if tolerance is not None else default_parity_tolerance(engine.dtype))
     rollout.metrics["rollout_weights_mib"] = moved / 2**20
     try:
         yield rollout
     finally:
         rollout.model = None  # type: ignore[assignment]
-        inference_alive = weakref.ref(inference)
-        del inference
-        if inference_alive() is not None:
-            # Something holds the inference model in a reference cycle (a hook's closure, say):
-            # collect it now. A full collection costs ~0.2 s in a large heap, so only then.
-            gc.collect()
+        skeleton.release()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         if was_training:

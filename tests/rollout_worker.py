@@ -1,15 +1,15 @@
 """Run under torchrun (or alone) by tests/test_rollout.py: FSDP2 train shards -> rollout mode.
 
 Writes a JSON file with the greedy sequences, the parity difference, whether training params
-are bitwise unchanged, whether the rollout model was released on exit, and whether a
-deliberately corrupted rollout model is caught.
+are bitwise unchanged, whether the rollout model's storage was released on exit, whether
+a deliberately corrupted rollout model is caught, and whether the next rollout reuses the same
+skeleton with the right weights again (same sequences, parity holds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import weakref
 
 import torch
 
@@ -45,8 +45,10 @@ def main() -> None:
     with rollout_mode(engine, tp_size=args.tp) as rollout:
         out = rollout.generate(prompts, mask, params)
         parity = rollout.parity_max_diff
-        inference = weakref.ref(rollout.model)
-    released = inference() is None  # the TP copy is gone once rollout mode exits
+        inference = rollout.model
+    # The skeleton is kept, its parameter storage freed once rollout mode exits.
+    released = all((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() == 0
+                   for p in inference.parameters())
     unchanged = all(torch.equal(before[n], p.to_local()) for n, p in engine.model.named_parameters())
 
     caught = False
@@ -56,15 +58,22 @@ def main() -> None:
                 if name.endswith("mlp.down_proj.weight") or name.endswith("fc2.weight") or name.endswith("c_proj.weight"):
                     local = p.to_local() if hasattr(p, "to_local") else p
                     local.add_(torch.randn(local.shape, generator=torch.Generator().manual_seed(ctx.rank)) * 0.5)
+        reused = rollout.model is inference
         try:
             rollout.generate(prompts, mask, params)
         except RolloutParityError:
             caught = True
 
+    with rollout_mode(engine, tp_size=args.tp) as rollout:  # the corruption must not survive a reload
+        again = rollout.generate(prompts, mask, params)
+        restored = rollout.model is inference and torch.equal(again.sequences, out.sequences) and \
+            rollout.parity_max_diff <= 1e-4
+
     if ctx.is_main:
         with open(args.out, "w") as f:
             json.dump({"sequences": out.sequences.tolist(), "action_mask": out.action_mask.tolist(),
-                       "parity": parity, "unchanged": unchanged, "caught": caught, "released": released}, f)
+                       "parity": parity, "unchanged": unchanged, "caught": caught, "released": released,
+                       "reused": reused, "restored": restored}, f)
     ctx.shutdown()
 
 

@@ -55,7 +55,7 @@ def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., An
                          help="A DeepSpeed ds_config.json; its batch, ZeRO, offload, precision, optimizer, "
                               "scheduler and checkpointing keys set the engine.")(f)
         f = click.option("--config", "config_file", type=str, default=None,
-                         help="YAML/JSON config file (fields flat or under engine:/data:/tracking:).")(f)
+                         help="YAML/JSON config file (fields flat or under engine:/data:/tracking:/lora:).")(f)
         return f
 
     return decorate

@@ -3,7 +3,7 @@
 Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--config`
 file < explicit CLI flags, applied by `resolve_config` alone. Every section's field names are unique
 across sections, so each field is also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and
-may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`). The
+may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`, `lora:`). The
 resolved config is saved beside every output as config.yaml.
 
 Each value is checked once, where its field is defined: its type (Literal choices included) and its
@@ -100,6 +100,29 @@ class TrackingConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft LoRA) instead of full fine-tuning of the trained models."""
+
+    lora_rank: int = bounded(0, ge=0)
+    """LoRA rank r: train rank-r adapters A, B beside each target linear layer (W + alpha/r * B A), the base weights frozen, Adam state only for the adapters. 0: full fine-tuning. In ppo the reference model is then the actor with its adapters disabled (no second copy) and rollouts use the merged weights; a reward model/critic trains its value head fully."""
+    lora_alpha: float = bounded(16.0, gt=0)
+    """LoRA scaling numerator: adapters add alpha/rank x B A (16 with rank 8 is a scale of 2)."""
+    lora_dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in training (sft, reward; ppo turns every dropout off)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt (suffixes such as q_proj v_proj), or all-linear: every linear projection inside the decoder layers (attention and MLP; not the embeddings, LM head or value head)."""
+    export_adapter: bool = False
+    """Export the trained adapter (peft format: adapter_config.json + adapter_model.safetensors, loadable with peft's PeftModel.from_pretrained on the base model) instead of merged weights. Default: the merged model, a plain Hugging Face folder the next stage loads."""
+
+    def validate(self, where: str = "config") -> None:
+        if self.export_adapter and self.lora_rank == 0:
+            raise UserError(f"{where}: export_adapter: true needs lora_rank > 0 (there is no adapter to export)")
+        if not self.lora_target_modules or any(not name.strip() for name in self.lora_target_modules):
+            raise UserError(f"{where}: lora_target_modules: {self.lora_target_modules} must name modules "
+                            "(e.g. q_proj v_proj), or be all-linear")
+
+
+@dataclass
 class RunConfig:
     """Fields every stage has."""
 
@@ -125,10 +148,12 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self, where: str = "config") -> None:
         """Rules between fields, checked once after every source is applied (`resolve_config`)."""
         self.engine.validate(where)
+        self.lora.validate(where)
 
 
 @dataclass
@@ -397,7 +422,7 @@ class E2EConfig:
     """W&B project of every stage."""
 
 
-SECTIONS: tuple[str, ...] = ("engine", "data", "tracking")
+SECTIONS: tuple[str, ...] = ("engine", "data", "tracking", "lora")
 
 
 def apply_mapping(config: Any, mapping: Mapping[str, Any], source: str) -> None:

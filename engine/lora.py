@@ -1,0 +1,122 @@
+"""LoRA adapters (peft) inside the engine: the base model with adapters off, and merged weights.
+
+A model trained with LoRA carries peft `LoraLayer`s in place of its target linear layers: the
+frozen base weight under `<layer>.base_layer.weight`, the adapters under `<layer>.lora_A.default`
+and `<layer>.lora_B.default`. The engine needs three things from them:
+
+- `adapters_disabled(model)`: the base model, for PPO's reference log-probs without a second
+  copy of the weights (the base weights are frozen, so this is exactly the starting model);
+- `merged_parameters(model)`: every weight as the plain architecture names it, each target
+  merged as W + scaling * B A (peft's own `get_delta_weight`), computed on the FSDP2 shards
+  (DTensor ops) without gathering a whole weight: what rollout mode loads, once per switch;
+- `merge_state_dict(model, state_dict)`: the same merge on a consolidated state dict, for export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
+"""Substrings that mark a parameter name as an adapter's, not the base model's."""
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
+    """Module name -> LoraLayer for every adapted layer of `model` (empty without LoRA)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(module, LoraLayer) for module in model.modules())
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return any(marker in name for marker in ADAPTER_MARKERS)
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the plain architecture: `q_proj.base_layer.weight` -> `q_proj.weight`."""
+    return name.replace(".base_layer.", ".")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block every LoraLayer computes its base layer only (peft's disable flag, set
+    directly: peft's `enable_adapters(False)` would also clear the adapters' requires_grad)."""
+    layers = list(lora_layers(model).values())
+    previous = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer._disable_adapters = value
+
+
+def _delta(layer: LoraLayer) -> torch.Tensor | None:
+    """Sum of the active adapters' W deltas of one layer (DTensors stay DTensors), or None."""
+    if layer._disable_adapters:
+        return None
+    delta = None
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            d = layer.get_delta_weight(adapter)
+            delta = d if delta is None else delta + d
+    return delta
+
+
+@torch.no_grad()
+def merged_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by its plain-architecture name, adapters merged into their base weights.
+
+    Without LoRA this is `named_parameters()`. The merge runs on whatever the params are (FSDP2
+    DTensor shards: the adapters' small B A product is redistributed, never a whole base weight)."""
+    params = {base_name(name): p for name, p in model.named_parameters() if not is_adapter_parameter(name)}
+    for prefix, layer in lora_layers(model).items():
+        delta = _delta(layer)
+        if delta is not None:
+            weight = layer.get_base_layer().weight
+            params[f"{prefix}.weight"] = weight + delta.to(weight.dtype)
+    return params
+
+
+@torch.no_grad()
+def merge_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A consolidated state dict of `model` (full tensors, adapter names) -> the plain model's,
+    adapters merged: what a merged export writes. An empty dict (a rank other than the one that
+    holds it) stays empty."""
+    if not state_dict:
+        return state_dict
+    merged = {base_name(name): t for name, t in state_dict.items() if not is_adapter_parameter(name)}
+    for prefix, layer in lora_layers(model).items():
+        if layer._disable_adapters:
+            continue
+        for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A:
+                continue
+            a = state_dict[f"{prefix}.lora_A.{adapter}.weight"].float()
+            b = state_dict[f"{prefix}.lora_B.{adapter}.weight"].float()
+            delta = (b @ a) * layer.scaling[adapter]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            weight = merged[f"{prefix}.weight"]
+            merged[f"{prefix}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+def adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
+                       extra_modules: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The adapters (and `extra_modules`' full weights, e.g. a value head) of a consolidated state
+    dict, keyed as peft saves them (`base_model.model.<name>`, adapter name dropped)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if is_adapter_parameter(name):
+            out["base_model.model." + name.replace(".default.", ".")] = tensor
+        elif any(name == m or name.startswith(m + ".") for m in extra_modules):
+            out["base_model.model." + name] = tensor
+    return out

@@ -1,0 +1,103 @@
+"""LoRA (peft) in the engine: adapters only are trained, the base with adapters off is the starting
+model, merged weights (on the shards, and on a consolidated state dict) equal the adapted model,
+rollout mode generates with the merged weights, and bad target modules fail clearly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlhf.config import LoRAConfig
+from rlhf.engine.config import EngineConfig
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.lora import adapters_disabled, adapter_state_dict, merge_state_dict, merged_parameters
+from rlhf.engine.rollout import rollout_mode
+from rlhf.engine.sampling import SamplingParams
+from rlhf.engine.train_engine import TrainEngine
+from rlhf.errors import UserError
+from rlhf.models.lora import apply_lora, resolve_target_modules
+from rlhf.models.tiny import build_char_tokenizer, build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ctx() -> DistributedContext:
+    return DistributedContext.initialize()
+
+
+def _tiny(family: str = "llama"):
+    return build_tiny_model(family, build_char_tokenizer(), seed=0, hidden_size=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2)
+
+
+def _trained_engine(ctx: DistributedContext, family: str, steps: int = 3) -> tuple[TrainEngine, torch.nn.Module]:
+    model = _tiny(family)
+    base = copy.deepcopy(model).eval()
+    apply_lora(model, LoRAConfig(lora_rank=4, lora_alpha=8.0))
+    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, lr=1e-2)
+    engine = TrainEngine(model, config, ctx, total_steps=steps)
+    ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine.model(input_ids=ids, labels=ids).loss)
+        assert engine.step().stepped
+    engine.eval()
+    return engine, base
+
+
+def test_targets_default_to_every_projection_in_the_decoder_layers() -> None:
+    llama = _tiny("llama")
+    assert resolve_target_modules(llama, ["all-linear"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                               "up_proj", "v_proj"]
+    assert resolve_target_modules(_tiny("gpt2"), ["all-linear"]) == ["c_attn", "c_fc", "c_proj"]
+    with pytest.raises(UserError, match="--lora-target-modules: no linear layer named 'qkv'.*q_proj"):
+        resolve_target_modules(llama, ["qkv"])
+
+
+def test_only_adapters_train_and_the_base_is_the_starting_model(ctx: DistributedContext) -> None:
+    model = _tiny()
+    apply_lora(model, LoRAConfig(lora_rank=4))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    engine, base = _trained_engine(ctx, "llama")
+    ids = torch.randint(3, 50, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = engine.model(input_ids=ids).logits
+        with adapters_disabled(engine.model):
+            without = engine.model(input_ids=ids).logits
+        after = engine.model(input_ids=ids).logits
+    assert torch.equal(without, base(input_ids=ids).logits)  # the frozen base did not move
+    assert not torch.allclose(adapted, without)  # the adapters learned something
+    assert torch.equal(after, adapted)  # the context restores the adapters
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # GPT-2: Conv1D, fan_in_fan_out
+def test_merged_weights_equal_the_adapted_model(ctx: DistributedContext, family: str) -> None:
+    engine, base = _trained_engine(ctx, family)
+    state = engine.full_state_dict()
+    merged = merge_state_dict(engine.model, state)
+    assert set(dict(base.named_parameters())) <= set(merged) <= set(base.state_dict())
+    on_shards = merged_parameters(engine.model)
+    for name, tensor in on_shards.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        torch.testing.assert_close(full, merged[name], rtol=1e-6, atol=1e-6)
+    base.load_state_dict(merged, strict=False)
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=ids).logits, engine.model(input_ids=ids).logits, rtol=1e-5,
+                                   atol=1e-5)
+    adapter = adapter_state_dict(engine.model, state)
+    assert adapter and all(k.startswith("base_model.model.") and ".default." not in k for k in adapter)
+
+
+def test_rollout_generates_with_merged_weights(ctx: DistributedContext) -> None:
+    engine, _ = _trained_engine(ctx, "llama")
+    prompts = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with rollout_mode(engine) as rollout:
+        out = rollout.generate(prompts, torch.ones_like(prompts), params)
+        assert rollout.parity_max_diff < 1e-4
+    with torch.no_grad():
+        want = engine.model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                                     do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, want)

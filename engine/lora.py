@@ -10,6 +10,9 @@ and `<layer>.lora_B.default`. The engine needs three things from them:
   merged as W + scaling * B A (peft's own `get_delta_weight`), computed on the FSDP2 shards
   (DTensor ops) without gathering a whole weight: what rollout mode loads, once per switch;
 - `merge_state_dict(model, state_dict)`: the same merge on a consolidated state dict, for export.
+
+`AdaptersOffReference` is PPO's reference policy of a LoRA actor: the actor's own sharded model,
+queried like a `FrozenModel` with its adapters off.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections.abc import Iterator
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+
+from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.inference import FrozenModel
 
 ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
 """Substrings that mark a parameter name as an adapter's, not the base model's."""
@@ -120,3 +126,24 @@ def adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
         elif any(name == m or name.startswith(m + ".") for m in extra_modules):
             out["base_model.model." + name] = tensor
     return out
+
+
+class AdaptersOffReference(FrozenModel):
+    """The reference policy of a LoRA actor: the actor's sharded model with its adapters off
+    (its frozen base is exactly the starting model), answering `logprobs` as a FrozenModel
+    does, with no second copy of the weights."""
+
+    def __init__(self, actor_model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str = "ref") -> None:
+        if not has_lora(actor_model):
+            raise ValueError("AdaptersOffReference needs a model with LoRA adapters")
+        self.model = actor_model
+        self.ctx = ctx
+        self.micro_batch_size = micro_batch_size
+        self.name = name
+
+    @torch.no_grad()
+    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
+                 response_start: int = 0) -> torch.Tensor:
+        """`FrozenModel.logprobs` of the base model."""
+        with adapters_disabled(self.model):
+            return super().logprobs(sequences, attention_mask, shared_prefix, response_start)

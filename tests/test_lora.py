@@ -101,3 +101,21 @@ def test_rollout_generates_with_merged_weights(ctx: DistributedContext) -> None:
         want = engine.model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
                                      do_sample=False, pad_token_id=0)
     assert torch.equal(out.sequences, want)
+
+
+def test_reference_is_the_actor_with_adapters_off(ctx: DistributedContext) -> None:
+    from rlhf.engine.inference import FrozenModel
+    from rlhf.engine.lora import AdaptersOffReference
+
+    engine, base = _trained_engine(ctx, "llama")
+    sequences = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(sequences)
+    mask[0, :3] = 0
+    reference = AdaptersOffReference(engine.model, ctx, micro_batch_size=2)
+    frozen = FrozenModel(base, ctx, zero_stage=3, dtype="fp32", offload=False, micro_batch_size=2, name="base")
+    for share, start in ((0, 0), (0, 5), (4, 5)):
+        want = frozen.logprobs(sequences, mask, share, response_start=start)
+        got = reference.logprobs(sequences, mask, share, response_start=start)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    adapted = FrozenModel.logprobs(reference, sequences, mask)  # the adapters are back on after the call
+    assert not torch.allclose(adapted, reference.logprobs(sequences, mask))

@@ -10,11 +10,13 @@ read the plan, never the stage number.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import Cache
 
 from rlhf.engine.distributed import DistributedContext
@@ -128,6 +130,46 @@ def sharding_plan(zero_stage: int, trainable: bool = True) -> ShardingPlan:
     )
 
 
+class ShardLoader(Protocol):
+    """What fills a model built on the meta device once it is sharded (the app's safetensors reader,
+    rlhf/models/sharded_loading.py): the engine allocates this rank's shards, the loader writes them."""
+
+    def load_local_shards(self, model: nn.Module) -> None:
+        """Write every parameter's local shard (`DTensor.to_local()`, already allocated) of `model`."""
+        ...
+
+
+def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's storage of `param` and the part of the global tensor it holds: FSDP2's dim-0
+    chunk (`torch.chunk` over the mesh: an uneven last chunk, possibly empty; the whole tensor over
+    ZeRO-0's replicated mesh) for a DTensor, all of it otherwise. Sharded loading reads exactly
+    this part of each checkpoint tensor, and the export writes it back in place."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return param.data, tuple(slice(0, n) for n in param.shape)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """The model's parameters are on the meta device (built for sharded loading)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+@torch.no_grad()
+def materialize_local_shards(model: nn.Module, device: torch.device, weights: ShardLoader) -> None:
+    """Allocate the local shards of a sharded meta model on `device` and let `weights` fill them.
+
+    `to_empty` also replaces every buffer by an uninitialised one; the buffers are real already
+    (non-persistent ones such as RoPE's inv_freq are in no checkpoint), so they are put back. Tied
+    parameters stay one: FSDP2 swaps each DTensor parameter's contents in place."""
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+               if buf is not None]
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf
+    weights.load_local_shards(model)
+
+
 def apply_fsdp(
     model: nn.Module,
     ctx: DistributedContext,
@@ -136,13 +178,18 @@ def apply_fsdp(
     offload: bool,
     gradient_checkpointing: bool = False,
     compile: bool = False,
+    weights: ShardLoader | None = None,
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
-    FSDP2's all-gather/reshard hooks stay outside the compiled code."""
+    FSDP2's all-gather/reshard hooks stay outside the compiled code. A model on the meta device is
+    sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
         raise ValueError("offload needs sharded optimizer state: a replicated (ZeRO-0) plan cannot offload")
+    deferred = on_meta(model)
+    if deferred and weights is None:
+        raise ValueError("a model on the meta device needs `weights` (a ShardLoader) to fill its shards")
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     mesh = ctx.replicate_mesh if plan.mesh == "replicate" else ctx.mesh
@@ -151,7 +198,7 @@ def apply_fsdp(
     offload_policy: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy()
     )
-    if not offload:
+    if not offload and not deferred:
         model.to(ctx.device)
     layers = decoder_layers(model)
     for layer in layers:
@@ -159,9 +206,13 @@ def apply_fsdp(
             compile_decoder_layer(layer)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
+    if deferred:
+        assert weights is not None
+        materialize_local_shards(model, torch.device("cpu") if offload else ctx.device, weights)
     log.info(
-        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s world=%d",
-        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, ctx.world_size,
+        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s world=%d "
+        "sharded_loading=%s",
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, ctx.world_size, deferred,
     )
     return model
 

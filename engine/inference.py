@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import COMPUTE_DTYPES, apply_fsdp, resolve_dtype, sharding_plan
+from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches
@@ -44,13 +44,16 @@ class FrozenModel:
     its decoder layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
-                 micro_batch_size: int, name: str, compile: bool = False) -> None:
+                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None) -> None:
+        """`model` is whole, or on the meta device with `weights` to fill this rank's shards (read
+        straight into the compute dtype: the whole model is never held, not even in fp32)."""
         model.requires_grad_(False)
         model.eval()
         dtype = resolve_dtype(dtype, ctx.device)
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
-        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile)
+        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
+                                weights=weights)
         self.ctx = ctx
         self.micro_batch_size = micro_batch_size
         self.name = name

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
@@ -89,6 +90,27 @@ def merged_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             weight = layer.get_base_layer().weight
             params[f"{prefix}.weight"] = weight + delta.to(weight.dtype)
     return params
+
+
+@torch.no_grad()
+def merged_export_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An export's on-disk name -> tensor map of a LoRA model (names as `state_dict` gives them,
+    values the model's own params) -> the plain model's: adapters left out, each adapted weight
+    replaced by its merge, on the shards, in the base weight's placement."""
+    layers = lora_layers(model)
+    adapter_ids = {id(p) for layer in layers.values() for n, p in layer.named_parameters()
+                   if is_adapter_parameter("." + n)}
+    merged: dict[int, torch.Tensor] = {}
+    for layer in layers.values():
+        delta = _delta(layer)
+        if delta is None:
+            continue
+        weight = layer.get_base_layer().weight
+        value = weight.detach() + delta.to(weight.dtype)
+        if isinstance(weight, DTensor) and tuple(value.placements) != tuple(weight.placements):
+            value = value.redistribute(weight.device_mesh, weight.placements)
+        merged[id(weight)] = value
+    return {base_name(name): merged.get(id(t), t) for name, t in tensors.items() if id(t) not in adapter_ids}
 
 
 @torch.no_grad()

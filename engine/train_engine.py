@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import apply_fsdp, resolve_dtype, sharding_plan
+from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
 from rlhf.engine.config import EngineConfig
@@ -122,13 +122,11 @@ class TrainEngine:
 
     def __init__(
         self, model: nn.Module, config: EngineConfig, ctx: DistributedContext, total_steps: int,
-        name: str = "model",
+        name: str = "model", weights: ShardLoader | None = None,
     ) -> None:
+        """`model` is whole on every rank, or on the meta device with `weights` to fill this rank's
+        shards once it is sharded (sharded loading: no rank ever holds the whole model)."""
         resolve_batch_size(config, ctx.world_size)
-        bad = first_non_finite(model.named_parameters())
-        if bad is not None:
-            raise UserError(f"{name}: the model to train holds NaN/inf weights (first: {bad}), as a diverged run "
-                            "leaves them; start from another model or retrain this one")
         self.config = config
         self.ctx = ctx
         self.name = name
@@ -138,7 +136,14 @@ class TrainEngine:
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
         self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
-                                config.compile)
+                                config.compile, weights)
+        # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
+        # name shared so that every rank raises alike.
+        local_bad = first_non_finite(self.model.named_parameters())
+        bad = next((b for b in ctx.all_gather_object(local_bad) if b is not None), None)
+        if bad is not None:
+            raise UserError(f"{name}: the model to train holds NaN/inf weights (first: {bad}), as a diverged run "
+                            "leaves them; start from another model or retrain this one")
         self.optimizer = build_optimizer(self.model, config, torch.device("cpu") if config.offload else ctx.device)
         self.scheduler = build_scheduler(self.optimizer, config, total_steps)
         self.scaler = (

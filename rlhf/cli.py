@@ -282,6 +282,60 @@ def _print_summary(summary: dict[str, Any]) -> None:
 _register_stages()
 
 
+@cli.group("plan")
+def plan_group() -> None:
+    """Predict peak memory per rank for each phase of a stage, from its config (no weights loaded).
+
+    \b
+    rlhf plan sft --model runs/base --micro-batch-size 8 --world-size 8 --dtype bf16
+    rlhf plan ppo --config ppo.yaml --world-size 2       (the same flags and file as `rlhf ppo`)
+    Prints a table, then one JSON line; each stage logs the measured figures as peak_mem_gb_<phase>.
+    """
+
+
+def plan_command(name: str, config_cls: type) -> None:
+    """`rlhf plan <name>`: the stage's own flags plus the plan's (world size, widths, device)."""
+
+    @plan_group.command(name, help=f"Peak memory per rank of each phase of `rlhf {name}` with these settings.")
+    @config_options(config_cls)
+    @click.option("--world-size", "world_size", type=click.IntRange(min=1), default=None,
+                  help="Ranks (GPUs or processes) to plan for [default: --nproc-per-node, else 1].")
+    @click.option("--seq-len", "seq_len", type=click.IntRange(min=2), default=None,
+                  help="sft/reward: padded width of a micro-batch [default: --max-seq-len].")
+    @click.option("--prompt-len", "prompt_len", type=click.IntRange(min=1), default=None,
+                  help="ppo: padded prompt width [default: --max-prompt-len].")
+    @click.option("--device", "device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                  help="Where the stage runs: cuda plans torch's allocated GPU memory, cpu the process's RSS "
+                       "[default: cuda when this machine has one].")
+    @click.option("--baseline-gb", "baseline_gb", type=FiniteFloat(min=0), default=None,
+                  help="CPU: the process's memory before any model loads [default: measured in this process].")
+    def command(world_size: int | None, seq_len: int | None, prompt_len: int | None, device: str,
+                baseline_gb: float | None, **kwargs: Any) -> None:
+        import json
+
+        import torch
+
+        from rlhf.stages.plan import format_plan, plan_stage
+
+        config = build_config(config_cls, kwargs, f"rlhf plan {name}")
+        world = world_size or kwargs.get("nproc_per_node") or 1
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        plan = plan_stage(name, config, world, device, seq_len, prompt_len, baseline_gb)
+        click.echo(format_plan(plan))
+        click.echo(json.dumps(plan.to_json()))
+
+
+def _register_plans() -> None:
+    from rlhf.config import PPOConfig, RewardConfig, SFTConfig
+
+    for name, config_cls in (("sft", SFTConfig), ("reward", RewardConfig), ("ppo", PPOConfig)):
+        plan_command(name, config_cls)
+
+
+_register_plans()
+
+
 def _shutdown_distributed() -> None:
     """After a successful multi-process command: wait for every rank, then tear the group down."""
     import torch.distributed as dist

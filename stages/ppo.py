@@ -56,9 +56,11 @@ from rlhf.data.tokenization import TokenizeStats, tokenize_prompts, tokenize_sft
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.ema import ParameterEMA
-from rlhf.engine.export import export_model, export_state_dict
+from rlhf.engine.export import export_state_dict
 from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
+from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
+from rlhf.engine.memory import PhaseMemory
 from rlhf.engine.micro_batches import (
     column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
 )
@@ -69,8 +71,9 @@ from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.models.value_model import check_reward_model_dir, value_model_from, value_model_kind
+from rlhf.models.loading import deferred_causal_lm, load_tokenizer
+from rlhf.models.lora import export_trained_model, with_lora
+from rlhf.models.value_model import check_reward_model_dir, deferred_value_model_from, value_model_kind
 from rlhf.seeding import derive_seed, seeded_permutation
 from rlhf.stages.experience import Experience, LogprobDrift, build_experience, mean_kl_per_sequence, shaped_scores
 from rlhf.reward_functions import RewardFunction, prompt_text
@@ -122,10 +125,16 @@ def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunct
     ctx.tp_coordinates(config.inference_tp_size)
     check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size, config.max_prompt_len,
                        config.max_new_tokens, config.engine.dtype, ctx.device, config.inference_tp_size, "rlhf ppo")
-    if config.engine.train_batch_size is None and config.engine.grad_accum is None:
-        config.engine.train_batch_size = config.generation_batch_size * ctx.world_size  # one minibatch per PPO epoch
-        config.engine.micro_batch_size = min(config.engine.micro_batch_size, config.generation_batch_size)
+    resolve_minibatch(config, ctx.world_size)
     return functions
+
+
+def resolve_minibatch(config: PPOConfig, world_size: int) -> None:
+    """Without --train-batch-size or --grad-accum the minibatch is the whole experience (one
+    optimizer step per PPO epoch), in micro-batches of at most the rollout batch (`rlhf plan` too)."""
+    if config.engine.train_batch_size is None and config.engine.grad_accum is None:
+        config.engine.train_batch_size = config.generation_batch_size * world_size  # one minibatch per PPO epoch
+        config.engine.micro_batch_size = min(config.engine.micro_batch_size, config.generation_batch_size)
 
 
 def check_model_folders(config: PPOConfig) -> None:
@@ -255,6 +264,7 @@ class PPOTrainer:
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
         )
         self.last_metrics: dict[str, float] = {}
+        self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/memory.py)
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
@@ -295,17 +305,28 @@ class PPOTrainer:
         config, ctx = self.config, self.ctx
         minibatches = self.experience_size // config.engine.train_batch_size
         total_steps = self.total_iterations * config.ppo_epochs * minibatches
-        self.actor = TrainEngine(disable_dropout(load_causal_lm(config.actor, "--actor")),
-                                 engine_config_for(config, config.actor_zero_stage, None), ctx, total_steps, "actor")
+        # Every model is built on the meta device and each rank reads only its shards (sharded loading).
+        actor, actor_weights = with_lora(*deferred_causal_lm(config.actor, "--actor"), config, config.actor, "actor")
+        self.actor = TrainEngine(disable_dropout(actor), engine_config_for(config, config.actor_zero_stage, None), ctx,
+                                 total_steps, "actor", actor_weights)
         self.critic: TrainEngine | None = None
         if not config.critic_free:
+            critic_source = config.critic or config.reward
+            critic, critic_weights = with_lora(*deferred_value_model_from(critic_source, flag="--critic"), config,
+                                               critic_source, "critic")
             self.critic = TrainEngine(
-                disable_dropout(value_model_from(config.critic or config.reward, flag="--critic")),
-                engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx, total_steps, "critic")
+                disable_dropout(critic), engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx,
+                total_steps, "critic", critic_weights)
         self.engines = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
-        self.ref = FrozenModel(load_causal_lm(config.ref or config.actor, "--ref"), ctx, config.engine.zero_stage,
-                               self.actor.dtype, config.offload_ref, config.engine.micro_batch_size, "ref",
-                               compile=config.engine.compile)
+        self.ref: FrozenModel
+        if config.lora.lora_rank and config.ref in (None, config.actor):
+            # The LoRA actor's frozen base is the reference: no second copy of the weights.
+            self.ref = AdaptersOffReference(self.actor.model, ctx, config.engine.micro_batch_size)
+        else:
+            ref, ref_weights = deferred_causal_lm(config.ref or config.actor, "--ref")
+            self.ref = FrozenModel(ref, ctx, config.engine.zero_stage, self.actor.dtype, config.offload_ref,
+                                   config.engine.micro_batch_size, "ref", compile=config.engine.compile,
+                                   weights=ref_weights)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
@@ -334,9 +355,9 @@ class PPOTrainer:
             self.critic_seconds = self.policy_kl_sum = 0.0
             self.old_logprob_drift = LogprobDrift()
             rollouts = self.collect_rollouts(iteration, seconds)
-            with timed(seconds, "experience_s"):
+            with timed(seconds, "experience_s"), self.memory.phase("experience"):
                 exp = self.make_experience(rollouts)
-            with timed(seconds, "training_s"):
+            with timed(seconds, "training_s"), self.memory.phase("training"):
                 update_metrics = self.update(exp, iteration)
             if self.ema is not None:
                 self.ema.update(self.actor.model)
@@ -370,9 +391,9 @@ class PPOTrainer:
     def sample_round(self, prompt_rows: list[int], iteration: int, round_index: int,
                      seconds: dict[str, float]) -> Rollouts:
         """Generate this rank's share of the prompts' groups and score them."""
-        with timed(seconds, "generation_s"):
+        with timed(seconds, "generation_s"), self.memory.phase("generation"):
             rollouts = self.generate_rollouts(prompt_rows, iteration, round_index)
-        with timed(seconds, "reward_s"):
+        with timed(seconds, "reward_s"), self.memory.phase("reward"):
             self.score_rewards(rollouts)
         return rollouts
 
@@ -687,7 +708,7 @@ class PPOTrainer:
         metrics = {**experience_metrics(exp, ctx, self.critic is not None), **update_metrics,
                    **self.reward_source_metrics(rollouts)}
         metrics.update(critic_s=self.critic_seconds, **self.phase_gflop(rollouts),
-                       **self.old_logprob_metrics(exp))
+                       **self.old_logprob_metrics(exp), **self.memory.metrics(ctx.all_reduce_max))
         metrics.update(
             kl=kl, kl_coef=self.kl_ctl.value, **seconds, samples_per_s=experience_global / sum(seconds.values()),
             tokens_per_s=response_tokens / seconds["generation_s"], actor_lr=self.actor.scheduler.get_last_lr()[0],
@@ -764,11 +785,11 @@ class PPOTrainer:
         """Export the actor, the critic if any (and the EMA actor), write summary.json and DONE;
         returns the summary."""
         ctx, output = self.ctx, self.output
-        export_model(self.actor, output / "model", self.tokenizer)
+        export_trained_model(self.actor, output / "model", self.tokenizer, self.config.lora)
         if self.critic is not None:
-            export_model(self.critic, output / "critic", self.tokenizer)
+            export_trained_model(self.critic, output / "critic", self.tokenizer, self.config.lora)
         if self.ema is not None:
-            full = self.ema.full_state_dict(self.actor.model)
+            full = merge_state_dict(self.actor.model, self.ema.full_state_dict(self.actor.model))
             export_state_dict(self.actor.model, ctx, full if ctx.is_main else {}, output / "model_ema", self.tokenizer)
         summary = {
             "stage": "ppo", "advantage_estimator": self.config.advantage_estimator,

@@ -35,11 +35,11 @@ from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.formats import ParsedRow
 from rlhf.data.tokenization import TokenizeStats, tokenize_pairs
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.export import export_model
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
-from rlhf.models.value_model import value_model_from
+from rlhf.models.lora import export_trained_model, with_lora
+from rlhf.models.value_model import deferred_value_model_from
 from rlhf.stages.trainer import (
     engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, start_stage,
 )
@@ -138,12 +138,13 @@ def run(config: RewardConfig) -> dict[str, Any]:
     train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 
-    model = value_model_from(config.model, config.value_head_init_std)
+    model, weights = deferred_value_model_from(config.model, config.value_head_init_std)  # on meta: sharded loading
+    model, weights = with_lora(model, weights, config, config.model, "reward")  # the value head trains in full
     # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
     # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
     # random steps (a drifting score offset). It is kept fixed, as DeepSpeed-Chat's bias-free head.
     model.value_head.bias.requires_grad_(False)
-    engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward")
+    engine = TrainEngine(model, config.engine, ctx, total_steps, name="reward", weights=weights)
     tracker, checkpointer = open_run(config, ctx, output, "reward")
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -161,7 +162,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
     )
 
     evaluation = final_evaluation(engine, train_rows, result.eval_metrics if eval_rows else None, collate, tracker)
-    export_model(engine, output / "model", tokenizer)
+    export_trained_model(engine, output / "model", tokenizer, config.lora)
 
     summary = {
         "stage": "reward",

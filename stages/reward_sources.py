@@ -40,7 +40,7 @@ from rlhf.data.retokenize import retokenize_for_reward, same_vocabulary
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
-from rlhf.models.value_model import load_value_model
+from rlhf.models.value_model import deferred_load_value_model
 from rlhf.reward_functions import RewardFunction, load_reward_functions, prompt_text
 
 log = get_logger(__name__)
@@ -237,9 +237,9 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
     if retokenize:
         log.info("--reward %s: its tokenizer differs from the actor's; responses are decoded and re-tokenised "
                  "with the reward model's tokenizer and chat template", config.reward)
-    model = FrozenModel(load_value_model(config.reward, dtype=torch.float32), ctx, config.engine.zero_stage,
-                        dtype, config.offload_reward, config.engine.micro_batch_size, "reward",
-                        compile=config.engine.compile)
+    reward_model, weights = deferred_load_value_model(config.reward)  # on meta: each rank reads only its shards
+    model = FrozenModel(reward_model, ctx, config.engine.zero_stage, dtype, config.offload_reward,
+                        config.engine.micro_batch_size, "reward", compile=config.engine.compile, weights=weights)
     return RewardModelSource(model, reward_statistics(config.reward, config.normalize_reward),
                              reward_tok if retokenize else None, config.max_prompt_len + config.max_new_tokens)
 

@@ -22,10 +22,10 @@ from rlhf.data.formats import ParsedRow
 from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.tokenization import TokenizeStats, tokenize_sft
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.export import export_model
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
-from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.loading import deferred_causal_lm, load_tokenizer
+from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.stages.trainer import (
     engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, start_stage,
 )
@@ -58,7 +58,9 @@ def run(config: SFTConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(config.model)
     train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows))
-    engine = TrainEngine(load_causal_lm(config.model), config.engine, ctx, total_steps, name="actor")
+    model, weights = deferred_causal_lm(config.model)  # on meta: each rank reads only its shards
+    model, weights = with_lora(model, weights, config, config.model, "sft")
+    engine = TrainEngine(model, config.engine, ctx, total_steps, name="actor", weights=weights)
     tracker, checkpointer = open_run(config, ctx, output, "sft")
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -73,7 +75,7 @@ def run(config: SFTConfig) -> dict[str, Any]:
         "sft", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
         sft_loss, eval_fn if eval_rows else None, row_lengths=lambda row: [len(row["input_ids"])],
     )
-    export_model(engine, output / "model", tokenizer)
+    export_trained_model(engine, output / "model", tokenizer, config.lora)
 
     summary = {
         "stage": "sft",

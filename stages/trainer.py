@@ -25,6 +25,7 @@ from tqdm import tqdm
 from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
+from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
@@ -68,6 +69,7 @@ def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
     Every rank acts on rank 0's verdict on the folder (`claim_output`), so a refused resume ends
     every rank with the same error line and a finished run ends every rank with RunFinished."""
     resolve_batch_size(config.engine, ctx.world_size, stage)
+    record_baseline(ctx.device)  # mem_baseline_gb: the process before any model loads
     verdict: tuple[str, str] = ("train", "")
     if ctx.is_main:
         try:
@@ -349,13 +351,16 @@ def run_training(
     result = LoopResult(global_step=engine.global_step, last_metrics=dict((loop_state or {}).get("metrics", {})))
     engine.train()
     bar = tqdm(total=total_steps, initial=engine.global_step, desc=stage, disable=not ctx.is_main, dynamic_ncols=True)
+    memory = PhaseMemory(ctx.device)  # peak_mem_gb_train / _eval (engine/memory.py)
     started = time.perf_counter()
     epoch = start_epoch
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]
-            metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch, config.max_tokens_per_micro_batch,
-                                 row_lengths)
+            with memory.phase("train"):
+                metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch,
+                                     config.max_tokens_per_micro_batch, row_lengths)
+            metrics.update(memory.metrics(ctx.all_reduce_max))
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:
@@ -363,7 +368,10 @@ def run_training(
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
             if eval_fn is not None and config.eval_interval > 0 and gs % config.eval_interval == 0 and gs < total_steps:
-                tracker.log({f"eval_{k}": v for k, v in eval_fn().items()}, step=gs)
+                with memory.phase("eval"):
+                    eval_metrics = eval_fn()
+                tracker.log({**{f"eval_{k}": v for k, v in eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
+                            step=gs)
             done = gs >= total_steps
             if wants_checkpoint(config, gs, done):
                 checkpointer.save(gs, {stage: engine},
@@ -375,6 +383,8 @@ def run_training(
     result.global_step = engine.global_step
     result.train_seconds = time.perf_counter() - started
     if eval_fn is not None:
-        result.eval_metrics = eval_fn()
-        tracker.log({f"eval_{k}": v for k, v in result.eval_metrics.items()}, step=engine.global_step)
+        with memory.phase("eval"):
+            result.eval_metrics = eval_fn()
+        tracker.log({**{f"eval_{k}": v for k, v in result.eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
+                    step=engine.global_step)
     return result

@@ -5,6 +5,7 @@ rollout mode generates with the merged weights, and bad target modules fail clea
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def _tiny(family: str = "llama"):
 def _trained_engine(ctx: DistributedContext, family: str, steps: int = 3) -> tuple[TrainEngine, torch.nn.Module]:
     model = _tiny(family)
     base = copy.deepcopy(model).eval()
-    apply_lora(model, LoRAConfig(lora_rank=4, lora_alpha=8.0))
+    apply_lora(model, LoRAConfig(lora_rank=4, lora_alpha=8.0), seed=0)
     config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, lr=1e-2)
     engine = TrainEngine(model, config, ctx, total_steps=steps)
     ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -119,3 +120,75 @@ def test_reference_is_the_actor_with_adapters_off(ctx: DistributedContext) -> No
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     adapted = FrozenModel.logprobs(reference, sequences, mask)  # the adapters are back on after the call
     assert not torch.allclose(adapted, reference.logprobs(sequences, mask))
+
+
+# --------------------------------------------------------------- the stages, from the CLI
+
+
+def _losses(output) -> list[float]:
+    from tests.conftest import train_losses
+    return train_losses(output)
+
+
+def test_lora_sft_on_two_ranks_learns_and_its_adapter_equals_the_merged_export(tmp_path, tiny_model_dirs,
+                                                                               sft_data) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import run_cli
+
+    base = tiny_model_dirs["llama"]
+    common = ["sft", "--model", str(base), "--data", str(sft_data), "--max-steps", "12", "--lr", "1e-2",
+              "--train-batch-size", "8", "--report-to", "none", "--lora-rank", "8", "--lora-dropout", "0.0"]
+    one = run_cli([*common, "--output", str(tmp_path / "one"), "--micro-batch-size", "8"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli([*common, "--output", str(tmp_path / "two"), "--micro-batch-size", "4", "--export-adapter"], nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    losses = _losses(tmp_path / "two")
+    assert losses[-1] < losses[0] - 0.3
+    assert losses == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)  # 2 ranks = 1 rank
+    assert not (tmp_path / "two" / "model" / "config.json").exists()  # an adapter folder, not a model
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "model").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "two" / "model").eval()
+    ids = torch.randint(3, 30, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_ppo_on_two_ranks_uses_the_base_as_reference(tmp_path) -> None:
+    from tests.conftest import read_metrics, run_cli, tiny_actor_and_reward, write_jsonl
+
+    actor, reward = tiny_actor_and_reward(tmp_path)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{a}="} for a in range(32)])
+    result = run_cli(["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--output",
+                      str(tmp_path / "ppo"), "--max-steps", "2", "--generation-batch-size", "4", "--max-new-tokens", "6",
+                      "--micro-batch-size", "2", "--report-to", "none", "--lora-rank", "4", "--lr", "1e-2"], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "ppo")
+    # The adapters start at zero: the first iteration's actor is its base, which is the reference.
+    assert abs(rows[0]["kl"]) < 1e-6
+    assert rows[0]["rollout_parity_max_diff"] < 1e-4
+    assert "lora" not in json.dumps(sorted(_saved_names(tmp_path / "ppo" / "model")))
+
+
+def _saved_names(folder) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+def test_lora_reward_model_trains_adapters_and_its_head(tmp_path, tiny_model_dirs) -> None:
+    from rlhf.cli import main
+    from rlhf.models.value_model import load_value_model
+    from tests.conftest import write_jsonl
+
+    pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(64)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    out = tmp_path / "rm"
+    main(["reward", "--model", str(tiny_model_dirs["llama"]), "--data", str(data), "--output", str(out),
+          "--max-steps", "20", "--micro-batch-size", "16", "--lr", "5e-3", "--report-to", "none", "--lora-rank", "4"])
+    losses = _losses(out)
+    assert losses[-1] < losses[0]
+    model = load_value_model(out / "model")  # merged: a plain value model folder
+    assert not any("lora" in name for name, _ in model.named_parameters())

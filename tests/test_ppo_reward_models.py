@@ -148,7 +148,7 @@ def test_bad_model_folders_fail_before_any_model_loads(tiny_model_dirs, prompts,
     def no_loading(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a model was loaded before the folders were checked")
 
-    monkeypatch.setattr(ppo, "load_causal_lm", no_loading)
+    monkeypatch.setattr(ppo, "deferred_causal_lm", no_loading)
     actor = tiny_model_dirs["llama"]
     bad = str(actor) if flag == "--reward" else str(tmp_path / "missing")  # a causal LM is no reward model
     args = ["--reward", bad, "--critic", str(actor)] if flag == "--reward" else \

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast,
+)
 
 from rlhf.errors import UserError, path_in_traceback
+from rlhf.models.sharded_loading import (
+    local_checkpoint, parameters_on_meta, plan_shard_loading, renamed_by_transformers, with_or_without_prefix,
+)
+
+if TYPE_CHECKING:
+    from rlhf.engine.fsdp import ShardLoader
 
 _GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 # Files one of which every saved tokenizer has (fast, SentencePiece, BPE, WordPiece, tiktoken).
@@ -101,3 +110,35 @@ def load_causal_lm(name_or_path: str, flag: str = "--model") -> PreTrainedModel:
     if getattr(model.config, "rlhf_model_type", None) == "value":
         raise UserError(f"{flag} {name_or_path}: is a reward/value model, not a causal LM")
     return model
+
+
+def deferred_causal_lm(name_or_path: str, flag: str = "--model") -> tuple[PreTrainedModel, ShardLoader | None]:
+    """The causal LM an engine trains or runs (fp32 master weights), for sharded loading: built on
+    the meta device with a loader of each rank's shards when `name_or_path` is a local folder with
+    safetensors weights (rlhf/models/sharded_loading.py); otherwise loaded in full by
+    `load_causal_lm`, with no loader. Either way the pair goes to TrainEngine / FrozenModel."""
+    _check_source(name_or_path, flag)
+    folder = Path(name_or_path).expanduser()
+    try:
+        checkpoint = local_checkpoint(folder, f"{flag} {name_or_path}")
+        config = AutoConfig.from_pretrained(name_or_path) if checkpoint is not None else None
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _load_failure(flag, name_or_path, "a causal LM", exc) from None
+    if config is not None and getattr(config, "rlhf_model_type", None) == "value":
+        raise UserError(f"{flag} {name_or_path}: is a reward/value model, not a causal LM")
+    if checkpoint is None or config is None or getattr(config, "quantization_config", None) is not None:
+        return load_causal_lm(name_or_path, flag), None
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if renamed_by_transformers(model, checkpoint):
+        return load_causal_lm(name_or_path, flag), None
+    model.eval()  # as from_pretrained returns it
+    if model.can_generate() and (folder / "generation_config.json").is_file():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, ValueError) as exc:
+            raise _load_failure(flag, name_or_path, "its generation_config.json", exc) from None
+    weights = plan_shard_loading(model, checkpoint, folder, f"{flag} {name_or_path}",
+                                 with_or_without_prefix(model.base_model_prefix),
+                                 ignored=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
+    return model, weights

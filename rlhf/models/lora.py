@@ -10,6 +10,7 @@ export) is `rlhf.engine.lora`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,16 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rlhf.config import LoRAConfig
+from rlhf.engine.export import export_adapter, export_model
+from rlhf.engine.fsdp import ShardLoader
 from rlhf.engine.layers import decoder_layers
+from rlhf.engine.lora import base_name
+from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
+from rlhf.logging import get_logger
+from rlhf.models.sharded_loading import SafetensorsShardLoader
+
+log = get_logger(__name__)
 
 ALL_LINEAR = "all-linear"
 VALUE_HEAD = "value_head"
@@ -70,19 +79,57 @@ def peft_config(model: nn.Module, config: LoRAConfig, base_model: str = "") -> L
     )
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig, seed: int = 0, base_model: str = "") -> nn.Module:
+def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full starting values of every adapter parameter, as peft initialises them (A Kaiming-uniform
+    with a = sqrt(5), B zero: the adapted model starts exactly at its base), drawn on the CPU from
+    a generator seeded with `seed`, in parameter order: the same on every rank and whether the
+    model is real or on the meta device."""
+    generator = torch.Generator().manual_seed(seed)
+    values: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if ".lora_A." in name:
+            values[name] = nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=generator)
+        elif ".lora_B." in name:
+            values[name] = torch.zeros(param.shape)
+    return values
+
+
+def _adapted_loader(model: nn.Module, weights: SafetensorsShardLoader,
+                    adapters: dict[str, torch.Tensor]) -> SafetensorsShardLoader:
+    """`weights`, planned for the plain model, for `model` with adapters: base weights under their
+    new names (`q_proj.base_layer.weight` reads what `q_proj.weight` read), adapters filled with
+    their starting values."""
+    sources = {}
+    for name, _ in model.named_parameters():
+        plain = base_name(name)
+        if name not in adapters and plain in weights.sources:
+            sources[name] = weights.sources[plain]
+    return SafetensorsShardLoader(weights.folder, sources, {**weights.fills, **adapters})
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig, seed: int = 0, base_model: str = "",
+               weights: ShardLoader | None = None) -> tuple[nn.Module, ShardLoader | None]:
     """Inject rank-`config.lora_rank` adapters into `model` in place and freeze the rest (a value
-    model's head stays trainable); returns the model. Adapter init (A random, B zero: the model
-    starts exactly at its base) draws from a generator seeded with `seed`, so every rank of a
-    job starts from the same adapters."""
+    model's head stays trainable). A real model gets its adapters' starting values now; a model
+    on the meta device (sharded loading) gets a loader that reads its base weights under their
+    new names and fills the adapters (`initial_adapters`). Returns the model and its loader."""
     lora = peft_config(model, config, base_model)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):  # peft's own init draws are replaced below
         inject_adapter_in_model(lora, model, adapter_name="default")
+    adapters = initial_adapters(model, seed)
+    if weights is None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in adapters:
+                    param.copy_(adapters[name])
+    elif isinstance(weights, SafetensorsShardLoader):
+        weights = _adapted_loader(model, weights, adapters)
+    else:
+        raise TypeError(f"apply_lora cannot re-plan a {type(weights).__name__}")
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or name.startswith(VALUE_HEAD + "."))
     model.rlhf_lora_config = lora  # type: ignore[attr-defined]  # read by the adapter export
-    return model
+    return model, weights
 
 
 def lora_summary(model: nn.Module) -> dict[str, int]:
@@ -102,3 +149,33 @@ def save_adapter(directory: Path, lora: LoraConfig, adapter_weights: dict[str, t
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **extra}, indent=2, sort_keys=True))
     save_file({k: v.contiguous() for k, v in adapter_weights.items()}, str(directory / "adapter_model.safetensors"),
               metadata={"format": "pt"})
+
+
+def with_lora(model: nn.Module, weights: ShardLoader | None, config: Any, base_model: str,
+              name: str = "model") -> tuple[nn.Module, ShardLoader | None]:
+    """`model` with adapters when the stage config asks for them (`config.lora.lora_rank` > 0;
+    adapter init seeded by `config.engine.seed`), else unchanged; logs what is trained."""
+    if config.lora.lora_rank == 0:
+        return model, weights
+    model, weights = apply_lora(model, config.lora, seed=config.engine.seed, base_model=base_model, weights=weights)
+    counts = lora_summary(model)
+    log.info("%s: LoRA rank %d on %s: %d of %d parameters trained (%.2f%%)", name, config.lora.lora_rank,
+             ", ".join(sorted(model.rlhf_lora_config.target_modules)), counts["trainable_params"], counts["total_params"],
+             100 * counts["trainable_params"] / counts["total_params"])
+    return model, weights
+
+
+def export_trained_model(engine: TrainEngine, directory: Path, tokenizer: Any, config: LoRAConfig) -> None:
+    """A stage's export of a trained model (collective): the merged model, a plain Hugging Face
+    folder (default, and always without LoRA), or with `export_adapter` the adapter alone in peft's
+    format (a value model's head saved with it, as peft's modules_to_save)."""
+    if not (config.lora_rank and config.export_adapter):
+        export_model(engine, directory, tokenizer)
+        return
+    lora = engine.model.rlhf_lora_config
+    extra = {"modules_to_save": [VALUE_HEAD]} if hasattr(engine.model, VALUE_HEAD) else None
+
+    def write(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+        save_adapter(folder, lora, tensors, extra)
+
+    export_adapter(engine, directory, tokenizer, write)

@@ -25,20 +25,29 @@ import contextlib
 import copy
 import json
 import logging
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 # Re-exported: `rlhf.models.position_ids_from_mask` and `value_model.last_token_index` are the engine's.
 from rlhf.engine.positions import last_token_index, position_ids_from_mask
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.sharded_loading import (
+    CheckpointTensor, SafetensorsShardLoader, local_checkpoint, parameters_on_meta, plan_shard_loading,
+    renamed_by_transformers,
+)
+
+if TYPE_CHECKING:
+    from rlhf.engine.fsdp import ShardLoader
 
 logger = get_logger(__name__)
 
@@ -128,8 +137,12 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         param = next(backbone.parameters())
+        # A backbone on meta (sharded loading) still gets a real head, initialised (and drawing its
+        # random numbers) exactly as with a loaded backbone; `_deferred_value_model` keeps its values
+        # for the loader and moves it to meta too.
         self.value_head = nn.Linear(
-            backbone_output_size(backbone.config), 1, dtype=param.dtype, device=param.device
+            backbone_output_size(backbone.config), 1, dtype=param.dtype,
+            device=torch.device("cpu") if param.is_meta else param.device,
         )
         if head_init_std is None:
             head_init_std = (self.value_head.in_features + 1) ** -0.5
@@ -190,24 +203,46 @@ class ValueModel(nn.Module):
         `state_dict` (keys as in `self.state_dict()`) is for models whose parameters are sharded:
         pass the consolidated full state dict, e.g. from
         `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`
-        on every rank, and call this on rank 0 only. `safe_serialization` exists for call
-        compatibility with `PreTrainedModel.save_pretrained`; only safetensors is written.
+        on every rank, and call this on rank 0 only. An empty `state_dict` writes config.json alone,
+        as transformers' `save_pretrained` does: the engine's export then writes every rank's
+        shards into the weights file in place (`export_tensors`). `safe_serialization` exists for
+        call compatibility with `PreTrainedModel.save_pretrained`; only safetensors is written.
         """
         if not safe_serialization:
             raise ValueError("ValueModel.save_pretrained writes safetensors only (safe_serialization=True)")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = self.state_dict() if state_dict is None else state_dict
-        tensors = _disk_tensors(state, self.backbone.base_model_prefix)
+        tensors = _disk_tensors(state, self.backbone.base_model_prefix) if state else {}
         config = copy.deepcopy(self.backbone.config)
         config.architectures = [sequence_classification_class(config) or type(self.backbone).__name__]
         config.num_labels = 1
-        config.dtype = next(iter(tensors.values())).dtype
+        config.dtype = next(iter(tensors.values())).dtype if tensors else next(self.parameters()).dtype
         setattr(config, MODEL_TYPE_KEY, VALUE_MODEL_TYPE)
-        setattr(config, HEAD_SHAPE_KEY, list(tensors[SCORE_PREFIX + "weight"].shape))
+        head = tensors[SCORE_PREFIX + "weight"] if tensors else self.value_head.weight
+        setattr(config, HEAD_SHAPE_KEY, list(head.shape))
         config.save_pretrained(directory)
-        save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        if tensors:
+            save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": "pt"})
         return directory
+
+    def export_tensors(self) -> dict[str, Tensor]:
+        """Each parameter (this rank's DTensor or a whole tensor, not copied) under the name
+        `save_pretrained` writes it with, for the engine's export, which writes every rank's shards
+        into the weights file in place (engine/export.py). Collective on a sharded model: every rank
+        reads the head's bias, which is left out when zero (as `save_pretrained` does)."""
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for key, tensor in self.state_dict(keep_vars=True).items():
+            name = _disk_name(key, self.backbone.base_model_prefix)
+            if name == SCORE_PREFIX + "bias":
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                if not bool(full.detach().any()):
+                    continue
+            if id(tensor) not in seen:  # a tied parameter is written once
+                tensors[name] = tensor
+            seen.add(id(tensor))
+        return tensors
 
 
 def sequence_classification_class(config: PretrainedConfig) -> str | None:
@@ -215,6 +250,15 @@ def sequence_classification_class(config: PretrainedConfig) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
     return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+
+
+def _disk_name(key: str, prefix: str) -> str:
+    """The on-disk name of a key of the module's state dict (see the module docstring)."""
+    if key.startswith("backbone."):
+        return f"{prefix}.{key.removeprefix('backbone.')}"
+    if key.startswith(HEAD_PREFIX):
+        return SCORE_PREFIX + key.removeprefix(HEAD_PREFIX)
+    raise KeyError(f"unexpected key {key!r} in the value model's state dict")
 
 
 def _disk_tensors(state: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -225,12 +269,7 @@ def _disk_tensors(state: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]
         if isinstance(tensor, DTensor) or not isinstance(tensor, Tensor):
             raise TypeError(f"save_pretrained needs full tensors; {key!r} is a {type(tensor).__name__} "
                             "(pass a consolidated state_dict)")
-        if key.startswith("backbone."):
-            name = f"{prefix}.{key.removeprefix('backbone.')}"
-        elif key.startswith(HEAD_PREFIX):
-            name = SCORE_PREFIX + key.removeprefix(HEAD_PREFIX)
-        else:
-            raise KeyError(f"unexpected key {key!r} in the value model's state dict")
+        name = _disk_name(key, prefix)
         tensor = tensor.detach().to("cpu").contiguous()
         if name == SCORE_PREFIX + "bias" and not bool(tensor.any()):
             continue  # a zero bias is what a bias-free Hugging Face classifier computes
@@ -328,3 +367,100 @@ def value_model_from(path: str | Path, head_init_std: float | None = 0.0, flag: 
         logger.info("%s %s is a value model: continuing from its head", flag, path)
         return load_value_model(path, dtype=torch.float32, flag=flag)
     return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)
+
+
+# ---------------------------------------------------------------- sharded loading (for the engines)
+
+
+def _meta_backbone(path: Path, checkpoint: Mapping[str, CheckpointTensor]) -> PreTrainedModel | None:
+    """The fp32 backbone of `path`'s config with its parameters on meta (the config as
+    `_load_backbone` leaves it), or None when the folder must be loaded in full."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot load the model: {exc}") from exc
+    for key in (MODEL_TYPE_KEY, HEAD_SHAPE_KEY):
+        if hasattr(config, key):
+            delattr(config, key)
+    if getattr(config, "quantization_config", None) is not None:
+        return None
+    with parameters_on_meta():
+        backbone = AutoModel.from_config(config, dtype=torch.float32)
+    backbone.eval()  # as from_pretrained returns it
+    return None if renamed_by_transformers(backbone, checkpoint) else backbone
+
+
+def _value_model_keys(prefix: str) -> Callable[[str], list[str]]:
+    """Checkpoint keys of a ValueModel parameter, as `save_pretrained` writes them and
+    `load_value_model` reads them: backbone tensors under the causal-LM names (or a bare model's),
+    the head as `score.*` (or the older `value_head.*`)."""
+    def candidates(name: str) -> list[str]:
+        if name.startswith("backbone."):
+            rest = name.removeprefix("backbone.")
+            return [f"{prefix}.{rest}", rest]
+        rest = name.removeprefix(HEAD_PREFIX)
+        return [SCORE_PREFIX + rest, HEAD_PREFIX + rest]
+
+    return candidates
+
+
+def _checkpoint_head(path: Path, checkpoint: Mapping[str, CheckpointTensor], model: ValueModel) -> dict[str, Tensor]:
+    """Check the saved head as `load_value_model` does; returns the fills for what it lacks (a
+    zero bias: Hugging Face's classifiers have none)."""
+    config = json.loads((path / "config.json").read_text())
+    head = {key.removeprefix(p): checkpoint[key] for key in checkpoint for p in (HEAD_PREFIX, SCORE_PREFIX)
+            if key.startswith(p)}
+    expected = tuple(config.get(HEAD_SHAPE_KEY) or model.value_head.weight.shape)
+    if "weight" not in head or head["weight"].shape != expected or set(head) - {"weight", "bias"}:
+        raise UserError(f"{path}: value head missing or of the wrong shape (expected {SCORE_PREFIX}weight "
+                        f"{list(expected)})")
+    return {} if "bias" in head else {HEAD_PREFIX + "bias": torch.zeros_like(model.value_head.bias)}
+
+
+def _deferred_value_model(
+    path: Path, flag: str, new_head_std: float | None, new_head: bool
+) -> tuple[ValueModel, SafetensorsShardLoader] | None:
+    """A ValueModel on meta and the loader of its shards, or None when it must be loaded in full.
+    `new_head`: a causal LM's backbone and a head initialised with `new_head_std` (its initial values
+    are kept for the loader: they are in no checkpoint); else the folder's own head."""
+    where = f"{flag} {path}"
+    checkpoint = local_checkpoint(path, where)
+    backbone = _meta_backbone(path, checkpoint) if checkpoint is not None else None
+    if backbone is None or checkpoint is None:
+        return None
+    model = ValueModel(backbone, head_init_std=new_head_std)
+    ignored = tuple(getattr(backbone, "_keys_to_ignore_on_load_unexpected", None) or ())
+    if new_head:
+        fills = {HEAD_PREFIX + name: p.detach().clone() for name, p in model.value_head.named_parameters()}
+        ignored += (r"^lm_head\.", "^" + re.escape(HEAD_PREFIX), "^" + re.escape(SCORE_PREFIX))
+    else:
+        fills = _checkpoint_head(path, checkpoint, model)
+    model.value_head.to("meta")
+    return model, plan_shard_loading(model, checkpoint, path, where, _value_model_keys(backbone.base_model_prefix),
+                                     ignored, fills)
+
+
+def deferred_load_value_model(path: str | Path, flag: str = "--reward") -> tuple[ValueModel, ShardLoader | None]:
+    """`load_value_model(path, float32, flag)` for an engine: on meta with a loader of each rank's
+    shards when the folder has safetensors weights (see rlhf/models/sharded_loading.py), else
+    loaded in full with no loader."""
+    path = Path(path)
+    check_reward_model_dir(path, flag)
+    deferred = _deferred_value_model(path, flag, 0.0, new_head=False)
+    return deferred if deferred is not None else (load_value_model(path, dtype=torch.float32, flag=flag), None)
+
+
+def deferred_value_model_from(
+    path: str | Path, head_init_std: float | None = 0.0, flag: str = "--model"
+) -> tuple[ValueModel, ShardLoader | None]:
+    """`value_model_from` for an engine, as `deferred_load_value_model`."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{flag} {path}: no config.json; pass a Hugging Face model folder (e.g. runs/sft/model)")
+    if is_value_model_dir(path):
+        logger.info("%s %s is a value model: continuing from its head", flag, path)
+        return deferred_load_value_model(path, flag)
+    deferred = _deferred_value_model(path, flag, head_init_std, new_head=True)
+    if deferred is not None:
+        return deferred
+    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std), None

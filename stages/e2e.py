@@ -128,6 +128,9 @@ def resolve_stage_configs(stages: dict[str, Any], deepspeed_config: str | None, 
         sources = ConfigSources(deepspeed=deepspeed, file=file_sections.get(name) or {}, file_name=f"{source} [{name}]",
                                 flags=flags.get(name, {}), flag_prefix=f"--{name}.")
         resolve_config(stage, sources, where=f"rlhf e2e [{name}]")
+        if name != "ppo" and stage.lora.export_adapter:
+            raise UserError(f"rlhf e2e [{name}]: export_adapter: the next stage loads {name}'s model, which must be "
+                            "the merged one; drop it (ppo may export its adapter)")
 
 
 def parse_prefixed_flags(args: list[str]) -> dict[str, dict[str, str]]:

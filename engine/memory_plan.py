@@ -11,7 +11,9 @@ Each term is a count of tensors the code holds, not a fitted constant:
   ceil(dim0 / world) rows on every rank (FSDP2 pads the last shard). Trained models keep fp32
   params, fp32 gradients after the reduce and two fp32 Adam moments (the fused and the torch
   AdamW alike; torch's foreach step adds one fp32 temporary the size of the params). Frozen
-  models keep their params in the compute dtype.
+  models keep their params in the compute dtype. With LoRA (peft adapters, the base frozen) only
+  the adapters (and a value head) have gradients and Adam state, and rollout mode merges every
+  adapted weight into a fresh fp32 shard at once before loading the inference copy.
 - Gathered params (FSDP2's unsharded copies, in the compute dtype): FSDP2 copies even on one rank.
   At ZeRO-3 each unit (the root too: apply_fsdp passes reshard_after_forward explicitly) is freed
   after its forward and gathered again in backward, so one layer (and the root, around the layers'
@@ -21,8 +23,8 @@ Each term is a count of tensors the code holds, not a fitted constant:
   model is held whole until its next backward, and such a frozen model for good.
 - Activations: the tensors Hugging Face's decoder layers save for backward, per token, counted
   per family from their forward code (`_SAVED`; tests/test_memory_plan.py checks each family
-  against autograd's saved tensors). Dropout masks are not counted (PPO turns dropout off; the
-  tiny and most recent models have none).
+  against autograd's saved tensors). The models' own dropout is not counted (PPO turns dropout
+  off; the tiny and most recent models have none); LoRA's adapter dropout is.
 - Working sets (no-grad forwards, a layer's backward): the largest set of tensors alive inside
   one layer, about 2 hidden + 3 intermediate widths per token.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -76,6 +79,23 @@ class ModelShape:
     activation: str
     fused_projections: tuple[Shape, ...] = ()
     """Per layer, the weights `FastLlamaDecoder` concatenates (q/k/v, gate/up); empty where it does not run."""
+    trainable_shapes: tuple[Shape, ...] | None = None
+    """The parameters that train (LoRA: the adapters, and a value head); None: all of them."""
+    root_trainable: int | None = None
+    """Trainable elements of the root unit (LoRA: the value head only); None: all of it."""
+    adapted_shapes: tuple[Shape, ...] = ()
+    """LoRA: the base weights with adapters (merged into fresh tensors at each rollout switch)."""
+    adapter_saved: int = 0
+    """LoRA: elements each layer's adapters save per token: A's rank-wide output; with dropout,
+    also the dropped input and its noise (input-sized) per adapted projection."""
+    adapter_dropout: bool = False
+    """LoRA with dropout: A keeps the dropped input, so a frozen projection's own input is no
+    longer kept (Llama-style: the two norms' outputs and the MLP product)."""
+    first_inputs: int = 0
+    """LoRA with dropout: the widths of the first layer's projections that read its input (whose
+    dropout keeps no noise: frozen embeddings give it no gradient)."""
+    frozen_base: bool = False
+    """LoRA: norms and the LM head are frozen, so autograd keeps fewer of their inputs."""
 
     @property
     def layers(self) -> int:
@@ -96,6 +116,18 @@ class ModelShape:
     @property
     def largest_layer(self) -> int:
         return max(self.layer_params, default=0)
+
+    @property
+    def all_shapes(self) -> tuple[Shape, ...]:
+        return tuple(s for layer in self.layer_shapes for s in layer) + self.root_shapes
+
+    @property
+    def trainable(self) -> tuple[Shape, ...]:
+        return self.all_shapes if self.trainable_shapes is None else self.trainable_shapes
+
+    @property
+    def root_trainable_params(self) -> int:
+        return self.root_params if self.root_trainable is None else self.root_trainable
 
 
 def sharded_numel(shapes: tuple[Shape, ...], world: int) -> int:
@@ -119,20 +151,50 @@ def _fused_projections(model: torch.nn.Module, layers: torch.nn.ModuleList) -> t
     return tuple(fused)
 
 
-def model_shape(config: Any, head: Head = "lm") -> ModelShape:
+def _adapter_terms(model: torch.nn.Module, head_shapes: list[Shape]) -> dict[str, Any]:
+    """ModelShape's LoRA fields of a model whose adapters are in place (peft's LoraLayers): what
+    trains (the adapters, and a value head), the adapted base weights, and what the adapters of
+    one layer save per token."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    per_layer = max(len(decoder_layers(model)), 1)
+    rank = sum(m.r["default"] for m in adapted) // per_layer
+    dropout = any(not isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in adapted)
+    inputs = 2 * sum(m.in_features for m in adapted) // per_layer if dropout else 0
+    first = decoder_layers(model)[0]
+    reads_input = ("q_proj", "k_proj", "v_proj", "c_attn")  # the projections fed by the layer's first norm
+    first_inputs = sum(m.in_features for name, m in first.named_modules()
+                       if isinstance(m, LoraLayer) and name.rsplit(".", 1)[-1] in reads_input) if dropout else 0
+    return {
+        "trainable_shapes": tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad) + tuple(head_shapes),
+        "root_trainable": sum(math.prod(s) for s in head_shapes),
+        "adapted_shapes": tuple(tuple(m.get_base_layer().weight.shape) for m in adapted),
+        "adapter_saved": rank + inputs, "adapter_dropout": dropout, "first_inputs": first_inputs,
+        "frozen_base": True,
+    }
+
+
+def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module], Any] | None = None) -> ModelShape:
     """The parameter shapes of the causal LM (`head` "lm") or of the value model (backbone plus a
     hidden -> 1 head with bias: reward model, critic) that `config` describes; built on the meta
-    device, so no weight is read or allocated."""
+    device, so no weight is read or allocated. `adapt` changes the model in place first (the
+    app's LoRA injection: peft adapters, base frozen)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config) if head == "lm" else AutoModel.from_config(config)
-    layers = decoder_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = [tuple(p.shape) for p in model.parameters() if id(p) not in in_layers]
+    fused = _fused_projections(model, decoder_layers(model)) if head == "lm" else ()  # the rollout copy is plain
     text = config.get_text_config(decoder=True)
     hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    head_shapes: list[Shape] = []
     if head == "value":
-        out = _first(text, "word_embed_proj_dim", "hidden_size", "n_embd", "d_model")
-        root += [(1, out), (1,)]
+        head_shapes = [(1, _first(text, "word_embed_proj_dim", "hidden_size", "n_embd", "d_model")), (1,)]
+    lora = {}
+    if adapt is not None:
+        adapt(model)
+        lora = _adapter_terms(model, head_shapes)
+    layers = decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = [tuple(p.shape) for p in model.parameters() if id(p) not in in_layers] + head_shapes
     heads = _first(text, "num_attention_heads", "n_head")
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = _first(text, "num_key_value_heads", default=heads)
@@ -143,7 +205,7 @@ def model_shape(config: Any, head: Head = "lm") -> ModelShape:
         intermediate=_first(text, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden), heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=_first(text, "vocab_size"),
         activation=str(getattr(text, "hidden_act", None) or getattr(text, "activation_function", "")),
-        fused_projections=_fused_projections(model, layers) if head == "lm" else (),
+        fused_projections=fused, **lora,
     )
 
 
@@ -160,22 +222,32 @@ def _layer_saved(shape: ModelShape, c: int) -> int:
     OPT: two LayerNorms (input, output, mean, rstd), q, k, v, the attention output, ReLU's output.
     GPT-2: two LayerNorms, the fused qkv output, the attention output, and gelu_new's five
     intermediates (x, tanh, 0.5x, 1 + tanh, the product; 2 for an activation torch fuses).
+    LoRA adapters (peft) add A's rank-wide output per adapted projection (its input is the base
+    projection's, already saved); with dropout, the dropped input and the noise instead of the
+    inputs only frozen projections read.
     """
     h, i = shape.hidden, shape.intermediate
     lse = FP32 * shape.heads
-    if shape.model_type == "opt":
-        return c * (8 * h + i + 4) + lse
-    if shape.model_type == "gpt2":
+    adapters = c * shape.adapter_saved
+    dropout = shape.adapter_dropout  # then the inputs only frozen projections read are not kept:
+    if shape.model_type == "opt":  # the two LayerNorm outputs
+        return c * (8 * h + i + 4) + lse + adapters - (c * 2 * h if dropout else 0)
+    if shape.model_type == "gpt2":  # the LayerNorm outputs and the MLP product
         mlp = 5 if shape.activation == "gelu_new" else 2
-        return c * (8 * h + mlp * i + 4) + lse
-    return 2 * (FP32 + 2 * c) * h + c * (2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + FP32 * 2 + lse
+        return c * (8 * h + mlp * i + 4) + lse + adapters - (c * (2 * h + i) if dropout else 0)
+    norm = (FP32 + (1 if shape.frozen_base else 2) * c) * h  # a frozen weight's multiply keeps nothing
+    unread = c * (2 * h + i) if dropout else 0  # the norms' outputs and the MLP product
+    return 2 * norm + c * (2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + FP32 * 2 + lse + adapters - unread
 
 
 def _final_saved(shape: ModelShape, c: int) -> int:
-    """Bytes the final norm saves per token (its input is the last layer's output)."""
+    """Bytes the final norm saves per token (its input is the last layer's output), and its output,
+    which a trained head keeps (a LoRA model's LM head is frozen; a value head trains)."""
+    head_input = 0 if shape.frozen_base and shape.head == "lm" else c * shape.hidden
     if shape.model_type in ("opt", "gpt2"):
-        return c * (2 * shape.hidden + 2)
-    return (FP32 + 2 * c) * shape.hidden + FP32
+        return c * (shape.hidden + 2) + head_input
+    normalised = 0 if shape.frozen_base else c * shape.hidden
+    return FP32 * shape.hidden + normalised + head_input + FP32
 
 
 def saved_activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool = False) -> int:
@@ -183,7 +255,19 @@ def saved_activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, c
     head's outputs are the caller's: logits or values). With activation checkpointing each layer
     keeps only its input (in the compute dtype)."""
     per_layer = compute_bytes * shape.hidden if checkpointing else _layer_saved(shape, compute_bytes)
-    return tokens * (shape.layers * per_layer + _final_saved(shape, compute_bytes))
+    return tokens * (shape.layers * per_layer + _final_saved(shape, compute_bytes) - _frozen_input(shape, compute_bytes,
+                                                                                                   checkpointing))
+
+
+def _frozen_input(shape: ModelShape, c: int, checkpointing: bool) -> int:
+    """What the first layer does not save when the embeddings are frozen (LoRA): its input needs
+    no gradient, so its first norm keeps neither the input nor its statistics."""
+    if not shape.frozen_base or checkpointing:
+        return 0
+    noise = c * shape.first_inputs  # its adapters' dropout keeps no noise either
+    if shape.model_type in ("opt", "gpt2"):
+        return c * (shape.hidden + 2) + noise
+    return FP32 * (shape.hidden + 1) + noise
 
 
 def layer_saved_bytes(shape: ModelShape, tokens: int, compute_bytes: int) -> int:
@@ -222,24 +306,35 @@ class TrainedModelMemory:
 
     @property
     def params(self) -> int:
-        """fp32 master params (FSDP2's sharded params; mixed precision casts a copy for compute)."""
-        shapes = tuple(s for layer in self.shape.layer_shapes for s in layer) + self.shape.root_shapes
-        return FP32 * self._numel(shapes)
-
-    @property
-    def adam(self) -> int:
-        """exp_avg and exp_avg_sq, fp32, sharded like the params (allocated at the first step)."""
-        return 2 * self.params
+        """fp32 master params (FSDP2's sharded params; mixed precision casts a copy for compute);
+        with LoRA the frozen base too."""
+        return FP32 * self._numel(self.shape.all_shapes)
 
     @property
     def grads(self) -> int:
-        """fp32 gradients after the reduce (sharded like the params); freed by each step."""
-        return self.params
+        """fp32 gradients of the trained params after the reduce (sharded like the params); freed
+        by each step."""
+        return FP32 * self._numel(self.shape.trainable)
+
+    @property
+    def adam(self) -> int:
+        """exp_avg and exp_avg_sq of the trained params, fp32, sharded (allocated at the first step)."""
+        return 2 * self.grads
 
     @property
     def adam_temporary(self) -> int:
         """torch's foreach AdamW allocates sqrt(exp_avg_sq) for all params at once; the fused op none."""
-        return 0 if self.fused_adam else self.params
+        return 0 if self.fused_adam else self.grads
+
+    @property
+    def root_grad(self) -> int:
+        """The root's unsharded gradients (compute dtype), from the head's backward to the last unit's."""
+        return self.compute_bytes * self.shape.root_trainable_params
+
+    @property
+    def merged_weights(self) -> int:
+        """LoRA: the merged copies of the adapted weights (fp32 shards) rollout mode builds at once."""
+        return FP32 * self._numel(self.shape.adapted_shapes)
 
     @property
     def gathered_root(self) -> int:
@@ -272,7 +367,7 @@ class TrainedModelMemory:
     def accumulated_grads(self) -> int:
         """Grads held between the micro-batches of one step: sharded after each micro-batch's
         reduce (ZeRO-3), unsharded fp32 until the last one otherwise (no sync in between)."""
-        return self.grads if self.zero_stage == 3 else FP32 * self.shape.params
+        return self.grads if self.zero_stage == 3 else FP32 * sum(math.prod(s) for s in self.shape.trainable)
 
 
 @dataclass(frozen=True)
@@ -287,8 +382,7 @@ class FrozenModelMemory:
 
     @property
     def params(self) -> int:
-        shapes = tuple(s for layer in self.shape.layer_shapes for s in layer) + self.shape.root_shapes
-        return self.compute_bytes * sharded_numel(shapes, self.world_size)
+        return self.compute_bytes * sharded_numel(self.shape.all_shapes, self.world_size)
 
     @property
     def gathered(self) -> int:

@@ -6,7 +6,9 @@
 
 Builds one Llama-family model (default 512 hidden, 8 layers, 8192 vocabulary: 32M parameters,
 so params, gradients and Adam's moments weigh as much as the activations) and a reward model
-from it, runs each config's stage for a few steps with `--report-to none`, and reads the
+from it, runs each case's stage (sft at ZeRO 3, 0, 2 and 3 with activation checkpointing, reward,
+PPO with a critic and a reward model, GRPO with shared prompts, LoRA sft and PPO; 1 or 2 ranks)
+for a few steps with `--report-to none`, and reads the
 `peak_mem_gb_<phase>` it logged (the max over the steps after the first: the steady state the
 plan predicts) and its `mem_baseline_gb` (the process before any model loads). Then it runs
 `rlhf plan` with the same flags and world size, in its own process: the plan's baseline is its
@@ -72,6 +74,8 @@ def cases(seq: int, prompt: int, new: int) -> list[Case]:
                                         "--eval-split", "0.05", "--dtype", "fp32", "--report-to", "none")),
         Case("ppo-z3", "ppo", 1, (*ppo, "--zero-stage", "3")),
         Case("ppo-z3-2rank", "ppo", 2, (*ppo, "--zero-stage", "3")),
+        Case("sft-lora", "sft", 1, (*sft, "--zero-stage", "3", "--lora-rank", "16", "--lora-dropout", "0.1")),
+        Case("ppo-lora-2rank", "ppo", 2, (*ppo, "--zero-stage", "3", "--lora-rank", "16")),
         Case("grpo-z3", "ppo", 1, (*ppo, "--zero-stage", "3", "--advantage-estimator", "grpo", "--samples-per-prompt",
                                    "4", "--reward-fn", "{rewards}")),
     ]

@@ -5,7 +5,9 @@ counts against real models, the command, and the plan against what a stage measu
 from __future__ import annotations
 
 import json
+import mmap
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,9 +28,13 @@ from rlhf.models.tiny import FAMILIES, tiny_config  # noqa: E402
 MIB = 2**20
 
 
-def touched(mib: int) -> torch.Tensor:
-    """A tensor whose pages are all written (resident)."""
-    return torch.ones(mib * MIB // 4)
+def touched(mib: int) -> mmap.mmap:
+    """Fresh resident pages: an anonymous mapping, every page written (not from malloc, whose freed
+    heap an earlier in-process stage may have left resident: the engine's glibc tuning)."""
+    pages = mmap.mmap(-1, mib * MIB)
+    for offset in range(0, mib * MIB, mmap.PAGESIZE):
+        pages[offset] = 1
+    return pages
 
 
 # ------------------------------------------------------------------ the meter
@@ -41,10 +47,8 @@ def test_cpu_phase_peaks_nest_and_reset() -> None:
     with meter.phase("outer"):
         before = memory.current_rss()
         with meter.phase("inner"):
-            x = touched(96)
-            del x
-        y = touched(16)
-        del y
+            touched(96).close()
+        touched(16).close()
     peaks = meter.take()
     assert peaks["inner"] - before > 80 * MIB  # the inner block's tensor was seen...
     assert peaks["outer"] >= peaks["inner"]  # ...and counts for the phase around it
@@ -78,8 +82,8 @@ def test_sampling_fallback_without_clear_refs(monkeypatch: pytest.MonkeyPatch, t
     before = memory.current_rss()
     with meter.phase("p"):
         x = touched(64)
-        x.add_(1)  # keeps it alive while the sampler runs
-        del x
+        time.sleep(0.05)  # the sampler sees it
+        x.close()
     assert meter.take()["p"] - before > 48 * MIB
 
 
@@ -105,22 +109,34 @@ def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_activation_model_matches_autograd(family: str, dtype: torch.dtype, checkpointing: bool) -> None:
+@pytest.mark.parametrize("lora", [None, (4, 0.0), (4, 0.1)])
+def test_activation_model_matches_autograd(family: str, dtype: torch.dtype, checkpointing: bool,
+                                           lora: tuple[int, float] | None) -> None:
     """The per-family table of saved tensors is what Hugging Face's layers keep (within the RoPE
-    tables and integer ids it leaves out), in fp32 and in 16-bit compute."""
+    tables and integer ids it leaves out), in fp32 and in 16-bit compute, and with peft's LoRA
+    adapters (frozen base; with and without adapter dropout)."""
+    from functools import partial
+
     from transformers import AutoModelForCausalLM
+
+    from rlhf.config import LoRAConfig
+    from rlhf.models.lora import apply_lora
 
     config = tiny_config(family, vocab_size=50, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=160)
     if family in ("llama", "qwen2", "mistral"):
         config.head_dim = 16  # queries narrower than the hidden size: widths counted apart
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).train()
+    model = AutoModelForCausalLM.from_config(config)
+    adapt = partial(apply_lora, config=LoRAConfig(lora_rank=lora[0], lora_dropout=lora[1])) if lora else None
+    if adapt is not None:
+        adapt(model)
+    model = model.to(dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 50, (2, 12))
     measured = saved_bytes(model, ids)
-    predicted = saved_activation_bytes(model_shape(config), ids.numel(), dtype.itemsize, checkpointing)
+    predicted = saved_activation_bytes(model_shape(config, adapt=adapt), ids.numel(), dtype.itemsize, checkpointing)
     assert predicted == pytest.approx(measured, rel=0.03)
 
 
@@ -154,6 +170,18 @@ def test_plan_command_prints_a_table_then_json(capsys: pytest.CaptureFixture) ->
     for phase in plan["phases"].values():
         assert phase["peak_gb"] == pytest.approx(0.5 + sum(phase["components_gb"].values()))
         assert phase["above_baseline_gb"] > 0
+
+
+def test_plan_reads_the_stage_config_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """`rlhf plan ppo --config` takes the stage's own file (sections and flags as `rlhf ppo`)."""
+    config = tmp_path / "ppo.yaml"
+    config.write_text("actor: tiny:qwen2\nreward_fn: [sort]\nadvantage_estimator: grpo\nsamples_per_prompt: 4\n"
+                      "engine:\n  zero_stage: 2\n")
+    main(["plan", "ppo", "--config", str(config), "--nproc-per-node", "2", "--device", "cpu", "--baseline-gb", "0"])
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["world_size"] == 2
+    training = plan["phases"]["training"]["components_gb"]
+    assert "critic params" not in training and "actor gathered" in training  # no critic; ZeRO-2 keeps it gathered
 
 
 def test_plan_rejects_a_missing_model(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -207,10 +235,11 @@ def test_sft_measures_each_phase_and_the_plan_predicts_it(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ppo-z3", "ppo-z3-2rank", "sft-z3-ckpt-2rank", "sft-z0", "reward-z3", "grpo-z3"])
+@pytest.mark.parametrize("name", ["ppo-z3", "ppo-z3-2rank", "sft-z3-ckpt-2rank", "sft-z0", "sft-z2-2rank",
+                                  "reward-z3", "grpo-z3", "sft-lora", "ppo-lora-2rank"])
 def test_plan_predicts_every_stage_within_15_percent(name: str, tmp_path: Path) -> None:
-    """scripts/check_plan.py's cases on its 32M-parameter model: 1 and 2 ranks, ZeRO 0 and 3,
-    checkpointing, GAE with a reward model and critic, GRPO with shared prompts."""
+    """scripts/check_plan.py's cases on its 32M-parameter model: 1 and 2 ranks, ZeRO 0, 2 and 3,
+    checkpointing, GAE with a reward model and critic, GRPO with shared prompts, LoRA."""
     cases = {c.name: c for c in check_plan.cases(256, 64, 64)}
     assert_within(compare(cases[name], tmp_path, hidden=512, layers=8, vocab=8192))
 

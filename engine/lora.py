@@ -18,7 +18,7 @@ queried like a `FrozenModel` with its adapters off.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -77,19 +77,36 @@ def _delta(layer: LoraLayer) -> torch.Tensor | None:
     return delta
 
 
-@torch.no_grad()
-def merged_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter by its plain-architecture name, adapters merged into their base weights.
+class MergedParameters(Mapping[str, torch.Tensor]):
+    """Every parameter of a model by its plain-architecture name, each adapted weight merged
+    (W + scaling * B A, peft's `get_delta_weight`) when it is looked up: a rollout load merges
+    one weight at a time, never holding all merged weights at once. Without LoRA this is
+    `named_parameters()`. The merge runs on whatever the params are (FSDP2 DTensor shards: the
+    adapters' small B A product is redistributed, never a whole base weight)."""
 
-    Without LoRA this is `named_parameters()`. The merge runs on whatever the params are (FSDP2
-    DTensor shards: the adapters' small B A product is redistributed, never a whole base weight)."""
-    params = {base_name(name): p for name, p in model.named_parameters() if not is_adapter_parameter(name)}
-    for prefix, layer in lora_layers(model).items():
-        delta = _delta(layer)
-        if delta is not None:
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {base_name(name): p for name, p in model.named_parameters() if not is_adapter_parameter(name)}
+        self._layers = {f"{prefix}.weight": layer for prefix, layer in lora_layers(model).items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        layer = self._layers.get(name)
+        delta = _delta(layer) if layer is not None else None
+        if delta is None:
+            return self._params[name]
+        with torch.no_grad():
             weight = layer.get_base_layer().weight
-            params[f"{prefix}.weight"] = weight + delta.to(weight.dtype)
-    return params
+            return weight + delta.to(weight.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def merged_parameters(model: nn.Module) -> MergedParameters:
+    """`MergedParameters` of `model`: what rollout mode loads into its inference copy."""
+    return MergedParameters(model)
 
 
 @torch.no_grad()

@@ -23,13 +23,15 @@ from typing import Any, Literal
 Head = Literal["lm", "value"]
 
 
-def _first(config: Any, *names: str, default: Any = None) -> Any:
+def first_config_value(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` a model config sets (families name the same width differently:
+    n_embd, hidden_size, ...), else `default`; ValueError when neither exists."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
             return value
     if default is None:
-        raise ValueError(f"model config has none of {names}: cannot count its FLOPs")
+        raise ValueError(f"model config has none of {names}")
     return default
 
 
@@ -52,16 +54,16 @@ class TransformerShape:
     def from_config(cls, config: Any) -> TransformerShape:
         """From a Hugging Face config (a value model's backbone config works too)."""
         config = getattr(config, "text_config", None) or config
-        hidden = _first(config, "hidden_size", "n_embd", "d_model")
-        heads = _first(config, "num_attention_heads", "n_head")
+        hidden = first_config_value(config, "hidden_size", "n_embd", "d_model")
+        heads = first_config_value(config, "num_attention_heads", "n_head")
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         model_type = getattr(config, "model_type", "")
         gated = model_type not in ("gpt2", "opt")
-        intermediate = _first(config, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
-        return cls(layers=_first(config, "num_hidden_layers", "n_layer"), hidden=hidden, q_dim=heads * head_dim,
+        intermediate = first_config_value(config, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+        return cls(layers=first_config_value(config, "num_hidden_layers", "n_layer"), hidden=hidden, q_dim=heads * head_dim,
                    kv_dim=kv_heads * head_dim, intermediate=intermediate, gated_mlp=gated,
-                   vocab=_first(config, "vocab_size"))
+                   vocab=first_config_value(config, "vocab_size"))
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of one layer's linears: q, k, v, o, then the MLP's."""

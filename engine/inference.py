@@ -52,8 +52,12 @@ class FrozenModel:
         dtype = resolve_dtype(dtype, ctx.device)
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
-        self.model = apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
-                                weights=weights)
+        self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
+                              weights=weights), ctx, micro_batch_size, name)
+
+    def _bind(self, model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str) -> None:
+        """The fields every query reads: an already sharded model and how to batch its forwards."""
+        self.model = model
         self.ctx = ctx
         self.micro_batch_size = micro_batch_size
         self.name = name

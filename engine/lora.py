@@ -175,10 +175,7 @@ class AdaptersOffReference(FrozenModel):
     def __init__(self, actor_model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str = "ref") -> None:
         if not has_lora(actor_model):
             raise ValueError("AdaptersOffReference needs a model with LoRA adapters")
-        self.model = actor_model
-        self.ctx = ctx
-        self.micro_batch_size = micro_batch_size
-        self.name = name
+        self._bind(actor_model, ctx, micro_batch_size, name)  # the actor's own shards: nothing is wrapped again
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,

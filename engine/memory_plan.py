@@ -34,14 +34,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
+from rlhf.engine.flops import Head, first_config_value
 from rlhf.engine.layers import decoder_layers
 
-Head = Literal["lm", "value"]
 Shape = tuple[int, ...]
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -49,13 +49,7 @@ FP32 = 4
 
 
 def _first(config: Any, *names: str, default: int | None = None) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    if default is None:
-        raise ValueError(f"model config has none of {names}")
-    return default
+    return int(first_config_value(config, *names, default=default))
 
 
 @dataclass(frozen=True)

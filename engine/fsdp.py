@@ -22,6 +22,7 @@ from transformers import Cache
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.engine.fused_layers import fuse_layer_ops
 from rlhf.engine.layers import decoder_layers
 
 log = get_logger(__name__)
@@ -179,10 +180,12 @@ def apply_fsdp(
     gradient_checkpointing: bool = False,
     compile: bool = False,
     weights: ShardLoader | None = None,
+    fused_layers: bool = True,
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
-    FSDP2's all-gather/reshard hooks stay outside the compiled code. A model on the meta device is
+    FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
+    swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones. A model on the meta device is
     sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
@@ -190,6 +193,7 @@ def apply_fsdp(
     deferred = on_meta(model)
     if deferred and weights is None:
         raise ValueError("a model on the meta device needs `weights` (a ShardLoader) to fill its shards")
+    fused = fuse_layer_ops(model) if fused_layers and not compile else 0
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     mesh = ctx.replicate_mesh if plan.mesh == "replicate" else ctx.mesh
@@ -210,9 +214,9 @@ def apply_fsdp(
         assert weights is not None
         materialize_local_shards(model, torch.device("cpu") if offload else ctx.device, weights)
     log.info(
-        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s world=%d "
-        "sharded_loading=%s",
-        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, ctx.world_size, deferred,
+        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s fused_modules=%d "
+        "world=%d sharded_loading=%s",
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, fused, ctx.world_size, deferred,
     )
     return model
 

@@ -40,11 +40,12 @@ def micro_batch_slices(n: int, size: int) -> list[slice]:
 
 
 class FrozenModel:
-    """A sharded, frozen model that answers batched log-prob or score queries; `compile` compiles
-    its decoder layers as a trained model's (`apply_fsdp`)."""
+    """A sharded, frozen model that answers batched log-prob or score queries; `compile` and
+    `fused_layers` run its decoder layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
-                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None) -> None:
+                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None,
+                 fused_layers: bool = True) -> None:
         """`model` is whole, or on the meta device with `weights` to fill this rank's shards (read
         straight into the compute dtype: the whole model is never held, not even in fp32)."""
         model.requires_grad_(False)
@@ -53,7 +54,7 @@ class FrozenModel:
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
         self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
-                              weights=weights), ctx, micro_batch_size, name)
+                              weights=weights, fused_layers=fused_layers), ctx, micro_batch_size, name)
 
     def _bind(self, model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str) -> None:
         """The fields every query reads: an already sharded model and how to batch its forwards."""

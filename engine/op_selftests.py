@@ -33,6 +33,7 @@ from rlhf.engine.kernels import (
     sample_tokens_reference,
 )
 from rlhf.engine.cpu_decode import CPU_DECODE_OP
+from rlhf.engine.fused_layers import FUSED_LAYERS_OP, rms_norm_reference, rope_reference, swiglu_reference
 from rlhf.engine.sampling import process_logits, sample_from_logits
 
 SelfTest = Callable[[ModuleType, torch.device], str]
@@ -270,6 +271,63 @@ def cpu_decode(module: ModuleType, device: torch.device) -> str:
     return worst.summary()
 
 
+# ---------------------------------------------------------------------------------------------
+# Fused layer ops (CPU): RMSNorm, RoPE, SwiGLU forward and backward
+# ---------------------------------------------------------------------------------------------
+
+def _grads(out: torch.Tensor, grad: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(out, inputs, grad)
+
+
+def _tracked(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies that autograd tracks (self-tests run under no_grad; the references' gradients need it)."""
+    return tuple(t.clone().requires_grad_() for t in tensors)
+
+
+def fused_layers(module: ModuleType, device: torch.device) -> str:
+    """Every kernel set: RMSNorm (widths off the vector width), SwiGLU, and RoPE of GQA q/k heads
+    with one table for the batch and one per row, forward and backward, against the references'
+    values and autograd gradients."""
+    gen = torch.Generator().manual_seed(0)
+    worst = _Worst()
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    for isa in module.supported_isas():
+        for rows, dim in ((5, 37), (67, 264)):
+            x, w, g = rand(rows, dim), 1.0 + 0.1 * rand(dim), rand(rows, dim)
+            y, rstd = module.rms_norm_forward(x, w, 1e-6, isa)
+            xr, wr = _tracked(x, w)
+            with torch.enable_grad():
+                want = rms_norm_reference(xr, wr, 1e-6)
+            worst.close(f"rms_norm isa={isa} {rows}x{dim}", y, want, 1e-5, 1e-5)
+            gx, gw = module.rms_norm_backward(g, x, w, rstd, isa)
+            want_gx, want_gw = _grads(want, g, (xr, wr))
+            worst.close(f"rms_norm grad x isa={isa}", gx, want_gx, 1e-4, 1e-5)
+            worst.close(f"rms_norm grad weight isa={isa}", gw, want_gw, 1e-4, 1e-4)
+        gate, up, g = 4 * rand(3, 45), rand(3, 45), rand(3, 45)
+        gr, ur = _tracked(gate, up)
+        with torch.enable_grad():
+            want = swiglu_reference(gr, ur)
+        worst.close(f"swiglu isa={isa}", module.swiglu_forward(gate, up, isa), want, 1e-5, 1e-6)
+        for got, expected, name in zip(module.swiglu_backward(g, gate, up, isa), _grads(want, g, (gr, ur)),
+                                       ("gate", "up")):
+            worst.close(f"swiglu grad {name} isa={isa}", got, expected, 1e-5, 1e-6)
+        batch, seq, head_dim = 3, 11, 24
+        for heads, table_batch in ((4, 1), (2, batch)):
+            x, g = rand(batch, seq, heads * head_dim), rand(batch, heads, seq, head_dim)
+            angles = rand(table_batch, seq, head_dim)
+            cos, sin = angles.cos(), angles.sin()
+            (xr,) = _tracked(x)
+            with torch.enable_grad():
+                want = rope_reference(xr, cos, sin, heads)
+            worst.close(f"rope isa={isa} heads={heads}", module.rope_forward(x, cos, sin, heads, isa), want, 1e-5, 1e-6)
+            worst.close(f"rope grad isa={isa} heads={heads}", module.rope_backward(g, cos, sin, isa),
+                        _grads(want, g, (xr,))[0], 1e-5, 1e-6)
+    return worst.summary()
+
+
 SELF_TESTS: dict[str, SelfTest] = {
     CPU_OP: fused_adam,
     CUDA_OP: fused_adam,
@@ -277,5 +335,6 @@ SELF_TESTS: dict[str, SelfTest] = {
     SAMPLING_OP.name: sampling,
     SELECTIVE_LOG_SOFTMAX_OP.name: selective_log_softmax,
     CPU_DECODE_OP.name: cpu_decode,
+    FUSED_LAYERS_OP.name: fused_layers,
 }
 """The self-test of every csrc op, by op name (tests check that no registered op lacks one)."""

@@ -136,7 +136,7 @@ class TrainEngine:
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
         self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
-                                config.compile, weights)
+                                config.compile, weights, config.fused_layers)
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
         # name shared so that every rank raises alike.
         local_bad = first_non_finite(self.model.named_parameters())

@@ -11,7 +11,7 @@ import click
 import torch
 
 # Modules that register csrc ops when imported.
-_OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode")
+_OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode", "rlhf.engine.fused_layers")
 
 
 def print_report() -> None:

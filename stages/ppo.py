@@ -326,7 +326,7 @@ class PPOTrainer:
             ref, ref_weights = deferred_causal_lm(config.ref or config.actor, "--ref")
             self.ref = FrozenModel(ref, ctx, config.engine.zero_stage, self.actor.dtype, config.offload_ref,
                                    config.engine.micro_batch_size, "ref", compile=config.engine.compile,
-                                   weights=ref_weights)
+                                   weights=ref_weights, fused_layers=config.engine.fused_layers)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))

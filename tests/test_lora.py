@@ -13,6 +13,7 @@ import torch
 from rlhf.config import LoRAConfig
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fused_layers import fuse_layer_ops
 from rlhf.engine.lora import adapters_disabled, adapter_state_dict, merge_state_dict, merged_parameters
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
@@ -35,6 +36,7 @@ def _tiny(family: str = "llama"):
 def _trained_engine(ctx: DistributedContext, family: str, steps: int = 3) -> tuple[TrainEngine, torch.nn.Module]:
     model = _tiny(family)
     base = copy.deepcopy(model).eval()
+    fuse_layer_ops(base)  # computed as the engine computes its layers (fused_layers, the default)
     apply_lora(model, LoRAConfig(lora_rank=4, lora_alpha=8.0), seed=0)
     config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, lr=1e-2)
     engine = TrainEngine(model, config, ctx, total_steps=steps)

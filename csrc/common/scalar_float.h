@@ -1,0 +1,32 @@
+// The portable vector type of the CPU row kernels' templates: one float per "register", for
+// CPUs without AVX2 (and non-x86 machines). Same interface as rlhf::Avx2Vec (avx2_float.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace rlhf {
+
+struct ScalarVec {
+  using T = float;
+  static constexpr int64_t kWidth = 1;
+  static inline T zero() { return 0.0f; }
+  static inline T set1(float x) { return x; }
+  static inline T load(const float* p) { return *p; }
+  static inline void store(float* p, T x) { *p = x; }
+  static inline T add(T a, T b) { return a + b; }
+  static inline T sub(T a, T b) { return a - b; }
+  static inline T mul(T a, T b) { return a * b; }
+  static inline T div(T a, T b) { return a / b; }
+  static inline T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
+  static inline float hsum(T a) { return a; }
+  static inline void hsum4(T a, T b, T c, T d, float* out) {
+    out[0] = a;
+    out[1] = b;
+    out[2] = c;
+    out[3] = d;
+  }
+  static inline T exp(T a) { return std::exp(a); }
+};
+
+}  // namespace rlhf

@@ -1,0 +1,202 @@
+// Torch binding of the fused layer ops (module `rlhf_fused_layers`): RMSNorm, RoPE and SwiGLU
+// of Llama-family decoder layers, forward and backward, float32 on the CPU.
+//
+// A decoder layer's eager forward spends as long in these elementwise ops as in half of its
+// matmuls at small widths: HF's RMSNorm is five passes over the hidden states, RoPE seven over
+// q and k plus a transposed copy, SwiGLU two over the MLP's widest activations, and autograd
+// doubles each in backward. Each op here is one pass (RMSNorm's backward two), on torch's
+// intra-op threads. engine/fused_layers.py wraps them in autograd Functions and holds the
+// PyTorch references they must match (tests/test_fused_layers.py).
+//
+// Narrow includes instead of <torch/extension.h> keep the JIT build short.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common/cpu_features.h"
+#include "fused_layers.h"
+
+namespace rlhf_layers {
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // elements per parallel chunk, at least
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas{"scalar"};
+  if (rlhf::cpu_has_avx2()) isas.emplace_back("avx2");
+  return isas;
+}
+
+const LayerKernels& resolve_isa(const std::string& requested) {
+  const std::string chosen = requested == "auto" ? supported_isas().back() : requested;
+  if (chosen == "avx2") {
+    TORCH_CHECK(rlhf::cpu_has_avx2(), "rlhf_fused_layers: this CPU has no AVX2/FMA");
+    return avx2_layer_kernels();
+  }
+  TORCH_CHECK(chosen == "scalar", "rlhf_fused_layers: unknown or unsupported isa '", requested,
+              "' (supported: auto, ", c10::Join(", ", supported_isas()), ")");
+  return scalar_layer_kernels();
+}
+
+void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              "rlhf_fused_layers: ", name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "rlhf_fused_layers: ", name, " must be contiguous");
+}
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, width)); }
+
+// x [..., dim], w [dim] -> (y like x, rstd [rows]).
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                    const std::string& isa) {
+  check_float_cpu(x, "x");
+  check_float_cpu(w, "weight");
+  const int64_t dim = w.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim, "rlhf_fused_layers: rms_norm x's last dim ", x.size(-1),
+              " != weight size ", dim);
+  const LayerKernels& k = resolve_isa(isa);
+  const int64_t rows = x.numel() / std::max<int64_t>(1, dim);
+  at::Tensor y = at::empty_like(x), rstd = at::empty({rows}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+    k.rms_norm_forward(xp, wp, yp, rp, begin, end, dim, static_cast<float>(eps));
+  });
+  return {y, rstd};
+}
+
+// -> (gx like x, gw [dim]). gw sums per-chunk partials, one row of `partials` per chunk.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& w,
+                                                     const at::Tensor& rstd, const std::string& isa) {
+  check_float_cpu(gy, "grad");
+  check_float_cpu(x, "x");
+  check_float_cpu(w, "weight");
+  check_float_cpu(rstd, "rstd");
+  const int64_t dim = w.numel(), rows = x.numel() / std::max<int64_t>(1, dim);
+  TORCH_CHECK(gy.sizes() == x.sizes() && rstd.numel() == rows, "rlhf_fused_layers: rms_norm_backward shapes differ");
+  const LayerKernels& k = resolve_isa(isa);
+  at::Tensor gx = at::empty_like(x);
+  const int64_t grain = grain_rows(dim);
+  const int64_t chunks = std::max<int64_t>(1, (rows + grain - 1) / grain);
+  at::Tensor partials = at::zeros({chunks, dim}, x.options());
+  const float *gyp = gy.data_ptr<float>(), *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  float *gxp = gx.data_ptr<float>(), *pp = partials.data_ptr<float>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      k.rms_norm_backward(gyp, xp, wp, rp, gxp, pp + c * dim, c * grain, std::min(rows, (c + 1) * grain), dim);
+    }
+  });
+  return {gx, partials.sum(0)};
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.sizes() == b.sizes(), "rlhf_fused_layers: ", what, " shapes differ: ", a.sizes(), " vs ", b.sizes());
+}
+
+at::Tensor swiglu_forward(const at::Tensor& g, const at::Tensor& u, const std::string& isa) {
+  check_float_cpu(g, "gate");
+  check_float_cpu(u, "up");
+  check_same(g, u, "swiglu gate/up");
+  const LayerKernels& k = resolve_isa(isa);
+  at::Tensor y = at::empty_like(g);
+  const float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, g.numel(), kGrainElements, [&](int64_t b, int64_t e) { k.swiglu_forward(gp, up, yp, b, e); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& gy, const at::Tensor& g, const at::Tensor& u,
+                                                   const std::string& isa) {
+  check_float_cpu(gy, "grad");
+  check_float_cpu(g, "gate");
+  check_float_cpu(u, "up");
+  check_same(g, u, "swiglu gate/up");
+  check_same(g, gy, "swiglu grad");
+  const LayerKernels& k = resolve_isa(isa);
+  at::Tensor gg = at::empty_like(g), gu = at::empty_like(u);
+  const float *gyp = gy.data_ptr<float>(), *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
+  float *ggp = gg.data_ptr<float>(), *gup = gu.data_ptr<float>();
+  at::parallel_for(0, g.numel(), kGrainElements,
+                   [&](int64_t b, int64_t e) { k.swiglu_backward(gyp, gp, up, ggp, gup, b, e); });
+  return {gg, gu};
+}
+
+// cos/sin [batch or 1, seq, head_dim] against rows of [batch, seq, ...].
+RopeArgs rope_args(const at::Tensor& cos, const at::Tensor& sin, int64_t batch, int64_t seq, int64_t heads,
+                   int64_t head_dim) {
+  check_float_cpu(cos, "cos");
+  check_float_cpu(sin, "sin");
+  check_same(cos, sin, "rope cos/sin");
+  TORCH_CHECK(head_dim % 2 == 0, "rlhf_fused_layers: rope head_dim must be even, got ", head_dim);
+  TORCH_CHECK(cos.dim() == 3 && (cos.size(0) == batch || cos.size(0) == 1) && cos.size(1) == seq &&
+                  cos.size(2) == head_dim,
+              "rlhf_fused_layers: rope tables have shape ", cos.sizes(), ", expected [", batch, " or 1, ", seq, ", ",
+              head_dim, "]");
+  return RopeArgs{cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0) == 1 ? 0 : seq * head_dim, seq, heads,
+                  head_dim};
+}
+
+// x [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim].
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                        const std::string& isa) {
+  check_float_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3 && heads > 0 && x.size(2) % heads == 0,
+              "rlhf_fused_layers: rope x must be [batch, seq, heads * head_dim], got ", x.sizes());
+  const int64_t batch = x.size(0), seq = x.size(1), head_dim = x.size(2) / heads;
+  const RopeArgs a = rope_args(cos, sin, batch, seq, heads, head_dim);
+  const LayerKernels& k = resolve_isa(isa);
+  at::Tensor out = at::empty({batch, heads, seq, head_dim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * seq, grain_rows(x.size(2)), [&](int64_t b, int64_t e) { k.rope_forward(a, xp, op, b, e); });
+  return out;
+}
+
+// gout [batch, heads, seq, head_dim] -> gx [batch, seq, heads * head_dim].
+at::Tensor rope_backward(const at::Tensor& gout, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::string& isa) {
+  check_float_cpu(gout, "grad");
+  TORCH_CHECK(gout.dim() == 4, "rlhf_fused_layers: rope grad must be [batch, heads, seq, head_dim], got ", gout.sizes());
+  const int64_t batch = gout.size(0), heads = gout.size(1), seq = gout.size(2), head_dim = gout.size(3);
+  const RopeArgs a = rope_args(cos, sin, batch, seq, heads, head_dim);
+  const LayerKernels& k = resolve_isa(isa);
+  at::Tensor gx = at::empty({batch, seq, heads * head_dim}, gout.options());
+  const float* gp = gout.data_ptr<float>();
+  float* xp = gx.data_ptr<float>();
+  at::parallel_for(0, batch * seq, grain_rows(heads * head_dim),
+                   [&](int64_t b, int64_t e) { k.rope_backward(a, gp, xp, b, e); });
+  return gx;
+}
+
+}  // namespace
+}  // namespace rlhf_layers
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace L = rlhf_layers;
+  m.doc() = "Fused RMSNorm / RoPE / SwiGLU forward and backward of Llama-family layers, float32 on the CPU";
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm_forward", &L::rms_norm_forward, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("isa") = "auto", "-> (y, rstd)", release);
+  m.def("rms_norm_backward", &L::rms_norm_backward, py::arg("grad"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
+        py::arg("isa") = "auto", "-> (grad_x, grad_weight)", release);
+  m.def("swiglu_forward", &L::swiglu_forward, py::arg("gate"), py::arg("up"), py::arg("isa") = "auto",
+        "silu(gate) * up", release);
+  m.def("swiglu_backward", &L::swiglu_backward, py::arg("grad"), py::arg("gate"), py::arg("up"),
+        py::arg("isa") = "auto", "-> (grad_gate, grad_up)", release);
+  m.def("rope_forward", &L::rope_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
+        py::arg("isa") = "auto", "[batch, seq, heads * head_dim] -> rotated [batch, heads, seq, head_dim]", release);
+  m.def("rope_backward", &L::rope_backward, py::arg("grad"), py::arg("cos"), py::arg("sin"), py::arg("isa") = "auto",
+        "[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]", release);
+  m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
+}

@@ -1,0 +1,255 @@
+"""Fused RMSNorm, RoPE and SwiGLU in the decoder layers of Llama-family models (Llama, Qwen2, Mistral).
+
+    fuse_layer_ops(model)        # before FSDP wrapping: swaps those modules' classes for fused ones
+
+A small model's eager forward and backward spend about a third of their time in elementwise ops
+(RMSNorm is five passes over the hidden states, RoPE seven over q and k plus a transposed copy,
+SwiGLU two over the MLP activations; autograd repeats each in backward), not in matmuls. The
+`rlhf_fused_layers` op (csrc/layers/) runs each as one pass on torch's threads, for float32 on
+the CPU. Every other case (a GPU, bf16, no compiler, a self-test that failed) runs the PyTorch
+references below, which are Hugging Face's code op for op, so a model computes the same thing
+either way (tests/test_fused_layers.py).
+
+The swap changes each module's class to a subclass that overrides `forward` (as FSDP2 does), so
+parameters, state-dict names, deepcopies and LoRA wrapping are untouched. Attention keeps the
+model's attention function (SDPA, eager, ...) and its KV cache. Under `--compile` nothing is
+swapped: inductor fuses these ops itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlhf.engine.ops import OpSpec, load_op, register_op
+
+__all__ = [
+    "FUSED_LAYERS_OP", "fuse_layer_ops", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
+    "swiglu", "swiglu_reference",
+]
+
+FUSED_LAYERS_OP = OpSpec(
+    "rlhf_fused_layers",
+    sources=("layers/fused_layers.cpp", "layers/fused_layers_scalar.cpp", "layers/fused_layers_avx2.cpp"),
+    # at::parallel_for is inline OpenMP code: without -fopenmp it would run on one thread.
+    # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.
+    extra_cflags=("-fopenmp", "-ffp-contract=off"),
+    extra_ldflags=("-fopenmp",),
+)
+register_op(FUSED_LAYERS_OP)
+
+RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
+MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
+ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
+
+
+# ----------------------------------------------------------------------- references (the truth)
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward: normalise in float32, scale by the weight in the input's dtype."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """A projection [batch, seq, heads * head_dim] as heads [batch, heads, seq, head_dim], rotated
+    as apply_rotary_pos_emb does with tables cos/sin [batch or 1, seq, head_dim]."""
+    batch, seq, width = x.shape
+    x = x.view(batch, seq, heads, width // heads).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+# ----------------------------------------------------------------------- fused autograd functions
+
+def _cpu_float32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _op(*tensors: torch.Tensor) -> ModuleType | None:
+    """The built op where every tensor is float32 on the CPU, else None (the reference runs)."""
+    if not _cpu_float32(*tensors) or torch.compiler.is_compiling():
+        return None
+    return load_op(FUSED_LAYERS_OP.name)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, op: ModuleType) -> torch.Tensor:
+        x, weight = x.contiguous(), weight.contiguous()
+        y, rstd = op.rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.op = op
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = ctx.op.rms_norm_backward(grad.contiguous(), x, weight, rstd)
+        return grad_x, (grad_weight if ctx.needs_input_grad[1] else None), None, None
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, op: ModuleType) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up)
+        ctx.op = op
+        return op.swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = ctx.op.swiglu_backward(grad.contiguous(), gate, up)
+        return grad_gate, grad_up, None
+
+
+class _FusedRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                op: ModuleType) -> torch.Tensor:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        ctx.op = op
+        return op.rope_forward(x.contiguous(), cos, sin, heads)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return ctx.op.rope_backward(grad.contiguous(), cos, sin), None, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_reference, fused where it can be."""
+    op = _op(x, weight)
+    return rms_norm_reference(x, weight, eps) if op is None else _FusedRMSNorm.apply(x, weight, eps, op)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """swiglu_reference, fused where it can be."""
+    op = _op(gate, up) if gate.shape == up.shape else None
+    return swiglu_reference(gate, up) if op is None else _FusedSwiGLU.apply(gate, up, op)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """rope_reference, fused where it can be (tables that need gradients take the reference)."""
+    fusable = x.dim() == 3 and cos.dim() == 3 and not (cos.requires_grad or sin.requires_grad)
+    op = _op(x, cos, sin) if fusable else None
+    return rope_reference(x, cos, sin, heads) if op is None else _FusedRoPE.apply(x, cos, sin, heads, op)
+
+
+# ----------------------------------------------------------------------- the modules
+
+class FusedRMSNormMixin(nn.Module):
+    weight: nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class FusedMLPMixin(nn.Module):
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedAttentionMixin(nn.Module):
+    """Llama-family attention with RoPE fused; the model's own attention function attends."""
+
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    head_dim: int
+    scaling: float
+    attention_dropout: float
+    config: Any
+    layer_idx: int
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if position_embeddings is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        cos, sin = position_embeddings
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        query = rope(query, cos, sin, query.shape[-1] // self.head_dim)
+        key = rope(key, cos, sin, key.shape[-1] // self.head_dim)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        family = sys.modules[type(self).__mro__[2].__module__]
+        attention = family.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, family.eager_attention_forward)
+        output, weights = attention(self, query, key, value, attention_mask,
+                                    dropout=0.0 if not self.training else self.attention_dropout,
+                                    scaling=self.scaling, **self._family_attention_kwargs(), **kwargs)
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+    def _family_attention_kwargs(self) -> dict[str, Any]:
+        """What the family's forward passes besides Llama's (Qwen2 / Mistral: the sliding window)."""
+        name = type(self).__mro__[2].__name__
+        if name == "Qwen2Attention":
+            return {"sliding_window": self.sliding_window}
+        if name == "MistralAttention":
+            return {"sliding_window": getattr(self.config, "sliding_window", None)}
+        return {}
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type, mixin: type) -> type:
+    """`cls` with the mixin's forward (MRO: fused class, mixin, cls); one per class."""
+    if cls not in _FUSED_CLASSES:
+        _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    return _FUSED_CLASSES[cls]
+
+
+def _mixin_for(module: nn.Module) -> type | None:
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models."):
+        return None
+    if cls.__name__ in RMS_NORM_CLASSES:
+        return FusedRMSNormMixin
+    if cls.__name__ in MLP_CLASSES and getattr(getattr(module, "config", None), "hidden_act", None) in ("silu", "swish"):
+        return FusedMLPMixin
+    if cls.__name__ in ATTENTION_CLASSES:
+        return FusedAttentionMixin
+    return None
+
+
+def fuse_layer_ops(model: nn.Module) -> int:
+    """Swap the RMSNorm, MLP and attention modules of Llama-family layers in `model` for their
+    fused subclasses, in place; returns how many were swapped (0 for other families)."""
+    swapped = 0
+    for module in model.modules():
+        mixin = _mixin_for(module)
+        if mixin is not None:
+            module.__class__ = _fused_class(type(module), mixin)
+            swapped += 1
+    return swapped

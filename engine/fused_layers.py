@@ -1,19 +1,21 @@
-"""Fused RMSNorm, RoPE and SwiGLU in the decoder layers of Llama-family models (Llama, Qwen2, Mistral).
+"""Fused RMSNorm, RoPE, SwiGLU and attention in the decoder layers of Llama-family models (Llama, Qwen2, Mistral).
 
     fuse_layer_ops(model)        # before FSDP wrapping: swaps those modules' classes for fused ones
 
 A small model's eager forward and backward spend about a third of their time in elementwise ops
 (RMSNorm is five passes over the hidden states, RoPE seven over q and k plus a transposed copy,
-SwiGLU two over the MLP activations; autograd repeats each in backward), not in matmuls. The
-`rlhf_fused_layers` op (csrc/layers/) runs each as one pass on torch's threads, for float32 on
-the CPU. Every other case (a GPU, bf16, no compiler, a self-test that failed) runs the PyTorch
-references below, which are Hugging Face's code op for op, so a model computes the same thing
-either way (tests/test_fused_layers.py).
+SwiGLU two over the MLP activations; autograd repeats each in backward), and torch's CPU flash
+attention runs at a fifth of the matmul rate at head_dim 32. The `rlhf_fused_layers` op
+(csrc/layers/) runs each elementwise op as one pass and attention as register-tiled AVX-512/AVX2
+kernels (causal: only the visible half of the scores), for float32 on the CPU. Every other case
+(a GPU, bf16, no compiler, a self-test that failed) runs the PyTorch references below, which are
+Hugging Face's code op for op, so a model computes the same thing either way
+(tests/test_fused_layers.py).
 
 The swap changes each module's class to a subclass that overrides `forward` (as FSDP2 does), so
-parameters, state-dict names, deepcopies and LoRA wrapping are untouched. Attention keeps the
-model's attention function (SDPA, eager, ...) and its KV cache. Under `--compile` nothing is
-swapped: inductor fuses these ops itself.
+parameters, state-dict names, deepcopies and LoRA wrapping are untouched. Attention through a KV
+cache, with dropout or with another implementation than SDPA (eager, flash) goes to the model's
+own attention function. Under `--compile` nothing is swapped: inductor fuses these ops itself.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from torch import nn
 from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
-    "FUSED_LAYERS_OP", "fuse_layer_ops", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
-    "swiglu", "swiglu_reference",
+    "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "rms_norm", "rms_norm_reference", "rope",
+    "rope_reference", "swiglu", "swiglu_reference",
 ]
 
 FUSED_LAYERS_OP = OpSpec(
     "rlhf_fused_layers",
-    sources=("layers/fused_layers.cpp", "layers/fused_layers_scalar.cpp", "layers/fused_layers_avx2.cpp"),
+    sources=("layers/fused_layers.cpp", "layers/fused_layers_scalar.cpp", "layers/fused_layers_avx2.cpp",
+             "layers/fused_layers_avx512.cpp"),
     # at::parallel_for is inline OpenMP code: without -fopenmp it would run on one thread.
     # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.
     extra_cflags=("-fopenmp", "-ffp-contract=off"),
@@ -76,6 +79,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads:
     x = x.view(batch, seq, heads, width // heads).transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """What Hugging Face's SDPA attention computes without dropout: q [B, H, T, D] over k, v
+    [B, Hkv, S, D] with a boolean mask [B or 1, 1, T, S] (True = visible) or causally when there
+    is none; -> [B, T, H, D]."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                         is_causal=mask is None and query.shape[2] > 1,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------- fused autograd functions
@@ -137,6 +151,42 @@ class _FusedRoPE(torch.autograd.Function):
         return ctx.op.rope_backward(grad.contiguous(), cos, sin), None, None, None, None
 
 
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, op: ModuleType) -> torch.Tensor:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out, lse = op.attention_forward(query, key, value, mask, scale)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mask, ctx.scale, ctx.op = mask, scale, op
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, lse, ctx.scale)
+        return *grads, None, None, None
+
+
+def fused_attention_applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """The kernels take this call: causal self-attention (no mask, as many keys as queries) or a
+    boolean mask [B or 1, 1, T, S]; anything else is left to the model's attention function."""
+    if mask is None:
+        return key.shape[2] == query.shape[2]
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, query.shape[0])
+            and tuple(mask.shape[2:]) == (query.shape[2], key.shape[2]))
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """attention_reference, fused where it can be. A query that sees no key gets zeros (and no
+    gradient) from the kernels; such rows only occur at padding, whose outputs nothing reads."""
+    op = _op(query, key, value) if fused_attention_applies(query, key, mask) else None
+    if op is None:
+        return attention_reference(query, key, value, mask, scale)
+    return _FusedAttention.apply(query, key, value, None if mask is None else mask.contiguous(), scale, op)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference, fused where it can be."""
     op = _op(x, weight)
@@ -176,7 +226,9 @@ class FusedMLPMixin(nn.Module):
 
 
 class FusedAttentionMixin(nn.Module):
-    """Llama-family attention with RoPE fused; the model's own attention function attends."""
+    """Llama-family attention with RoPE fused, and SDPA attention (no dropout, no KV cache, causal or
+    a boolean mask) through the fused attention kernels; anything else goes to the model's own
+    attention function."""
 
     q_proj: nn.Module
     k_proj: nn.Module
@@ -202,12 +254,16 @@ class FusedAttentionMixin(nn.Module):
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        family = sys.modules[type(self).__mro__[2].__module__]
-        attention = family.ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, family.eager_attention_forward)
-        output, weights = attention(self, query, key, value, attention_mask,
-                                    dropout=0.0 if not self.training else self.attention_dropout,
-                                    scaling=self.scaling, **self._family_attention_kwargs(), **kwargs)
+        dropout = 0.0 if not self.training else self.attention_dropout
+        if (self.config._attn_implementation == "sdpa" and dropout == 0.0 and not kwargs.get("output_attentions")
+                and fused_attention_applies(query, key, attention_mask)):
+            output, weights = attention(query, key, value, attention_mask, self.scaling), None
+        else:
+            family = sys.modules[type(self).__mro__[2].__module__]
+            interface = family.ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, family.eager_attention_forward)
+            output, weights = interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+                                        **self._family_attention_kwargs(), **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
     def _family_attention_kwargs(self) -> dict[str, Any]:

@@ -33,7 +33,13 @@ from rlhf.engine.kernels import (
     sample_tokens_reference,
 )
 from rlhf.engine.cpu_decode import CPU_DECODE_OP
-from rlhf.engine.fused_layers import FUSED_LAYERS_OP, rms_norm_reference, rope_reference, swiglu_reference
+from rlhf.engine.fused_layers import (
+    FUSED_LAYERS_OP,
+    attention_reference,
+    rms_norm_reference,
+    rope_reference,
+    swiglu_reference,
+)
 from rlhf.engine.sampling import process_logits, sample_from_logits
 
 SelfTest = Callable[[ModuleType, torch.device], str]
@@ -325,7 +331,27 @@ def fused_layers(module: ModuleType, device: torch.device) -> str:
             worst.close(f"rope isa={isa} heads={heads}", module.rope_forward(x, cos, sin, heads, isa), want, 1e-5, 1e-6)
             worst.close(f"rope grad isa={isa} heads={heads}", module.rope_backward(g, cos, sin, isa),
                         _grads(want, g, (xr,))[0], 1e-5, 1e-6)
+        _fused_attention(module, isa, rand, worst)
     return worst.summary()
+
+
+def _fused_attention(module: ModuleType, isa: str, rand: Callable[..., torch.Tensor], worst: _Worst) -> None:
+    """Causal GQA attention and a left-padding mask (every query sees itself), forward and backward."""
+    batch, seq, head_dim = 2, 19, 24
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    valid[0, :5] = False
+    padded = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool)
+    for heads, kv_heads, mask in ((4, 2, None), (3, 3, padded[:, None].contiguous())):
+        q, k, v = rand(batch, heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
+        g = rand(batch, seq, heads, head_dim)
+        out, lse = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
+        tracked = _tracked(q, k, v)
+        with torch.enable_grad():
+            want = attention_reference(*tracked, mask, head_dim**-0.5)
+        worst.close(f"attention isa={isa} heads={heads}/{kv_heads} mask={mask is not None}", out, want, 1e-5, 1e-5)
+        got = module.attention_backward(g, q, k, v, mask, out, lse, head_dim**-0.5, isa)
+        for name, a, b in zip("qkv", got, _grads(want, g, tracked)):
+            worst.close(f"attention grad {name} isa={isa} heads={heads}/{kv_heads}", a, b, 1e-4, 1e-5)
 
 
 SELF_TESTS: dict[str, SelfTest] = {

@@ -23,6 +23,7 @@ here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, f
 forward + backward), over the measured iteration time; `phase_fractions` splits it by phase. 1.0
 would be a run that does nothing but its necessary matmuls at that rate.
 
+    python scripts/bench_ppo.py --peer-trl --repeats 3                    # median of 3 alternated runs each
     python scripts/bench_ppo.py --peer-trl --compile --iterations 7      # torch.compile'd layers
     python scripts/bench_ppo.py --advantage-estimator grpo --new-tokens 256 --peer-trl \
         --max-tokens-per-micro-batch 4096                                # responses of 1-256 tokens
@@ -74,7 +75,12 @@ def parse_args() -> argparse.Namespace:
                         "(default 1; 3 with --compile, whose recompiles for new shapes land in iterations 1-3)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="rlhf ppo's token budget")
-    return parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
+                        "figures are each side's median run, every run's rate listed under `repeats`")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.iterations <= (args.warmup or 0):
+        parser.error("--repeats must be >= 1 and --iterations above --warmup")
+    return args
 
 
 def build_models(args: argparse.Namespace, root: Path) -> Path:
@@ -228,9 +234,19 @@ def run_peer(args: argparse.Namespace) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median (repeats are odd; of an even count, the lower middle)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     args = parse_args()
-    ours = run_ours(args)
+    ours_runs, peer_runs = [], []
+    for _ in range(args.repeats):  # alternated, so a slow spell of the machine hits both sides alike
+        ours_runs.append(run_ours(args))
+        if args.peer_trl:
+            peer_runs.append(run_peer(args))
+    ours = median_run(ours_runs, "completions_per_s")
     prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
     result = {
         "estimator": args.advantage_estimator, **ours,
@@ -238,8 +254,11 @@ def main() -> None:
         "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
                   "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1},
     }
+    if args.repeats > 1:
+        result["repeats"] = {"completions_per_s": [r["completions_per_s"] for r in ours_runs],
+                             "peer": [r.get("samples_per_s", r.get("completions_per_s")) for r in peer_runs]}
     if args.peer_trl:
-        peer = run_peer(args)
+        peer = median_run(peer_runs, "samples_per_s" if args.advantage_estimator == "gae" else "completions_per_s")
         result["peer"] = peer
         if args.advantage_estimator == "gae":
             result["ratio_samples_per_s"] = round(ours["completions_per_s"] / peer["samples_per_s"], 2)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm / RoPE / SwiGLU (csrc/layers/, engine/fused_layers.py) against their references.
+"""Fused RMSNorm / RoPE / SwiGLU / attention (csrc/layers/, engine/fused_layers.py) against their references.
 
 The references are Hugging Face's code op for op; the fused kernels (every kernel set this CPU
 runs) must match their values and autograd gradients, and a model whose layers were swapped
@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine.fused_layers import (
     FUSED_LAYERS_OP,
+    attention,
+    attention_reference,
     fuse_layer_ops,
     load_op,
     rms_norm,
@@ -76,6 +78,49 @@ def test_kernels_match_references(op, isa_index: int) -> None:
         ref = _value_and_grads(lambda a: rope_reference(a, angles.cos(), angles.sin(), heads), [x], g)
         _close(op.rope_forward(x, angles.cos(), angles.sin(), heads, isa), ref[0])
         _close(op.rope_backward(g, angles.cos(), angles.sin(), isa), ref[1])
+
+
+@pytest.mark.parametrize("isa_index", [0, -1], ids=["scalar", "widest"])
+@pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masked", [
+    (4, 2, 21, 24, False),   # GQA, causal, widths off every vector width
+    (3, 3, 37, 32, True),    # left padding, a sequence longer than a score tile
+    (2, 1, 1, 8, False),     # one token
+    (6, 2, 70, 40, True),
+])
+def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: int, seq: int, head_dim: int,
+                                      masked: bool) -> None:
+    """Values and q/k/v gradients of every kernel set against torch's SDPA, causal or with a
+    boolean mask; with a mask, the rows of a query that sees no key are zeros with no gradient."""
+    isa = op.supported_isas()[isa_index]
+    gen = torch.Generator().manual_seed(seq)
+    batch, scale = 2, head_dim**-0.5
+    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
+    mask, seen = None, torch.ones(batch, seq, dtype=torch.bool)
+    if masked:
+        valid = torch.rand(batch, seq, generator=gen) > 0.3
+        valid[0, : seq // 3] = False  # left padding: the first queries of row 0 see nothing
+        mask = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :])[:, None].contiguous()
+        seen = mask[:, 0].any(-1)
+    tracked = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention_reference(*tracked, mask, scale)
+    grad = grad * seen[:, :, None, None]  # nothing reads a row that saw nothing (torch gives it NaN)
+    want.backward(grad)
+    out, lse = op.attention_forward(q, k, v, mask, scale, isa)
+    _close(out[seen], want.detach()[seen], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))
+    for got, t in zip(op.attention_backward(grad, q, k, v, mask, out, lse, scale, isa), tracked):
+        _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_falls_back_where_the_kernels_do_not_apply(op) -> None:
+    """A float mask, a bf16 input or a KV cache longer than the queries without a mask take the reference."""
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8)
+    additive = torch.zeros(1, 1, 5, 7)
+    assert torch.equal(attention(q, k, k, additive, 0.3), attention_reference(q, k, k, additive, 0.3))
+    qb = q.bfloat16()
+    assert torch.equal(attention(qb, qb, qb, None, 0.3), attention_reference(qb, qb, qb, None, 0.3))
+    assert attention(q, q, q, None, 0.3).grad_fn is None
 
 
 def test_public_functions_fuse_float32_cpu_and_fall_back_elsewhere(op) -> None:

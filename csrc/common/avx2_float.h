@@ -29,6 +29,14 @@ struct Avx2Float {
 // Avx2Float plus the reductions and exp the row kernels (CPU decode step, fused layer ops) use:
 // the vector type `V` of their templates on AVX2 machines (Scalar in scalar_float.h elsewhere).
 struct Avx2Vec : Avx2Float {
+  RLHF_AVX2_FN T max(T a, T b) { return _mm256_max_ps(a, b); }
+  RLHF_AVX2_FN float hmax(T a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+
   RLHF_AVX2_FN float hsum(T a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));

@@ -19,6 +19,8 @@ struct ScalarVec {
   static inline T mul(T a, T b) { return a * b; }
   static inline T div(T a, T b) { return a / b; }
   static inline T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
+  static inline T max(T a, T b) { return a > b ? a : b; }
+  static inline float hmax(T a) { return a; }
   static inline float hsum(T a) { return a; }
   static inline void hsum4(T a, T b, T c, T d, float* out) {
     out[0] = a;

@@ -1,5 +1,5 @@
-// Torch binding of the fused layer ops (module `rlhf_fused_layers`): RMSNorm, RoPE and SwiGLU
-// of Llama-family decoder layers, forward and backward, float32 on the CPU.
+// Torch binding of the fused layer ops (module `rlhf_fused_layers`): RMSNorm, RoPE, SwiGLU and
+// attention of Llama-family decoder layers, forward and backward, float32 on the CPU.
 //
 // A decoder layer's eager forward spends as long in these elementwise ops as in half of its
 // matmuls at small widths: HF's RMSNorm is five passes over the hidden states, RoPE seven over
@@ -19,6 +19,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -34,11 +35,16 @@ constexpr int64_t kGrainElements = 1 << 15;  // elements per parallel chunk, at 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> isas{"scalar"};
   if (rlhf::cpu_has_avx2()) isas.emplace_back("avx2");
+  if (rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512()) isas.emplace_back("avx512");
   return isas;
 }
 
 const LayerKernels& resolve_isa(const std::string& requested) {
   const std::string chosen = requested == "auto" ? supported_isas().back() : requested;
+  if (chosen == "avx512") {
+    TORCH_CHECK(rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512(), "rlhf_fused_layers: this CPU has no AVX-512");
+    return avx512_layer_kernels();
+  }
   if (chosen == "avx2") {
     TORCH_CHECK(rlhf::cpu_has_avx2(), "rlhf_fused_layers: this CPU has no AVX2/FMA");
     return avx2_layer_kernels();
@@ -179,6 +185,70 @@ at::Tensor rope_backward(const at::Tensor& gout, const at::Tensor& cos, const at
   return gx;
 }
 
+// q [batch, heads, seq, head_dim], k/v [batch, kv_heads, keys, head_dim]; mask: undefined
+// (causal, keys == seq) or bool [batch or 1, 1, seq, keys].
+AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                             double scale) {
+  check_float_cpu(q, "query");
+  check_float_cpu(k, "key");
+  check_float_cpu(v, "value");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "rlhf_fused_layers: attention wants q [B, H, T, D] and k, v [B, Hkv, S, D] with H a multiple of Hkv; got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const int64_t batch = q.size(0), seq = q.size(2), keys = k.size(2);
+  const uint8_t* mask_ptr = nullptr;
+  int64_t mask_stride = 0;
+  if (mask.defined()) {
+    TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 4 &&
+                    (mask.size(0) == 1 || mask.size(0) == batch) && mask.size(1) == 1 && mask.size(2) == seq &&
+                    mask.size(3) == keys,
+                "rlhf_fused_layers: attention mask must be a contiguous bool CPU tensor [", batch, " or 1, 1, ", seq,
+                ", ", keys, "], got ", mask.sizes(), " ", mask.scalar_type());
+    mask_ptr = reinterpret_cast<const uint8_t*>(mask.data_ptr());
+    mask_stride = mask.size(0) == 1 ? 0 : seq * keys;
+  } else {
+    TORCH_CHECK(keys == seq, "rlhf_fused_layers: causal attention (no mask) needs as many keys as queries, got ", keys,
+                " and ", seq);
+  }
+  return AttentionArgs{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride,
+                       batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale)};
+}
+
+// -> (out [batch, seq, heads, head_dim], lse [batch, heads, seq]).
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::optional<at::Tensor>& mask, double scale,
+                                                     const std::string& isa) {
+  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
+  const LayerKernels& kernels = resolve_isa(isa);
+  at::Tensor out = at::empty({a.batch, a.seq, a.heads, a.head_dim}, q.options());
+  at::Tensor lse = at::empty({a.batch, a.heads, a.seq}, q.options());
+  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t b, int64_t e) { kernels.attention_forward(a, op, lp, b, e); });
+  return {out, lse};
+}
+
+// -> (grad_q, grad_k, grad_v) from grad_out [batch, seq, heads, head_dim].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::string& isa) {
+  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
+  check_float_cpu(grad, "grad");
+  check_float_cpu(out, "out");
+  check_float_cpu(lse, "lse");
+  TORCH_CHECK(grad.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == a.batch && out.size(1) == a.seq &&
+                  out.size(2) == a.heads && out.size(3) == a.head_dim && lse.numel() == a.batch * a.heads * a.seq,
+              "rlhf_fused_layers: attention_backward shapes differ from the forward's");
+  const LayerKernels& kernels = resolve_isa(isa);
+  at::Tensor gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+  const float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>(), *gp = grad.data_ptr<float>();
+  float *gqp = gq.data_ptr<float>(), *gkp = gk.data_ptr<float>(), *gvp = gv.data_ptr<float>();
+  at::parallel_for(0, a.batch * a.kv_heads, 1,
+                   [&](int64_t b, int64_t e) { kernels.attention_backward(a, op, lp, gp, gqp, gkp, gvp, b, e); });
+  return {gq, gk, gv};
+}
+
 }  // namespace
 }  // namespace rlhf_layers
 
@@ -198,5 +268,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto", "[batch, seq, heads * head_dim] -> rotated [batch, heads, seq, head_dim]", release);
   m.def("rope_backward", &L::rope_backward, py::arg("grad"), py::arg("cos"), py::arg("sin"), py::arg("isa") = "auto",
         "[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]", release);
-  m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
+  m.def("attention_forward", &L::attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
+        py::arg("scale"), py::arg("isa") = "auto",
+        "q [B, H, T, D], k/v [B, Hkv, S, D], mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], lse)",
+        release);
+  m.def("attention_backward", &L::attention_backward, py::arg("grad"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("mask"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("isa") = "auto",
+        "-> (grad_q, grad_k, grad_v)", release);
+  m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

@@ -1,6 +1,6 @@
-// Fused elementwise kernels of a Llama-family decoder layer for training and teacher-forced
-// forwards: RMSNorm, rotary position embedding (RoPE) and SwiGLU, each forward and backward,
-// one set per ISA (scalar, AVX2). engine/fused_layers.py holds their PyTorch references.
+// Fused kernels of a Llama-family decoder layer for training and teacher-forced forwards:
+// RMSNorm, rotary position embedding (RoPE), SwiGLU and attention, each forward and backward,
+// one set per ISA (scalar, AVX2, AVX-512). engine/fused_layers.py holds their PyTorch references.
 //
 // These files hold no torch code: fused_layers.cpp checks the tensors and hands row or element
 // ranges of float32 buffers to these kernels on torch's intra-op threads.
@@ -20,6 +20,20 @@ struct RopeArgs {
   int64_t seq, heads, head_dim;
 };
 
+// Attention of one (batch row, KV head) task: its query heads over its keys, in the layouts
+// q [batch, heads, seq, head_dim], k/v [batch, kv_heads, keys, head_dim] (all contiguous), with
+// either causal visibility (key j visible to query i when j <= i) or a boolean mask
+// [batch or 1, 1, seq, keys] (nonzero = visible). A query that sees no key gets zeros.
+struct AttentionArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  const uint8_t* mask;        // null: causal
+  int64_t mask_batch_stride;  // 0 when one mask serves the whole batch
+  int64_t batch, heads, kv_heads, seq, keys, head_dim;
+  float scale;
+};
+
 struct LayerKernels {
   // y[r] = w * (x[r] * rstd[r]), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), rows [begin, end).
   void (*rms_norm_forward)(const float* x, const float* w, float* y, float* rstd, int64_t begin, int64_t end,
@@ -36,9 +50,18 @@ struct LayerKernels {
   void (*rope_forward)(const RopeArgs& a, const float* x, float* out, int64_t begin, int64_t end);
   // gx[b, t, h] = the transpose of rope_forward applied to gout[b, h, t], rows as above.
   void (*rope_backward)(const RopeArgs& a, const float* gout, float* gx, int64_t begin, int64_t end);
+  // Tasks [begin, end) of batch * kv_heads: out [batch, seq, heads, head_dim] (the layout the
+  // output projection reads) = softmax(scale * q k^T) v over visible keys; lse [batch, heads, seq]
+  // = the rows' log-sum-exp of the visible scaled scores (-inf for a query that sees nothing).
+  void (*attention_forward)(const AttentionArgs& a, float* out, float* lse, int64_t begin, int64_t end);
+  // The same tasks' gradients from gout [batch, seq, heads, head_dim], with the forward's out and
+  // lse: gq like q, gk and gv like k and v (each task owns its KV head's rows of gk and gv).
+  void (*attention_backward)(const AttentionArgs& a, const float* out, const float* lse, const float* gout, float* gq,
+                             float* gk, float* gv, int64_t begin, int64_t end);
 };
 
 const LayerKernels& scalar_layer_kernels();
 const LayerKernels& avx2_layer_kernels();
+const LayerKernels& avx512_layer_kernels();
 
 }  // namespace rlhf_layers

@@ -1,7 +1,11 @@
 // AVX2 + FMA fused layer kernels (8 floats per register). Compiled for AVX2 through a target
 // pragma rather than a command-line flag, so the extension as a whole still loads on older
 // CPUs; fused_layers.cpp only calls in here after checking that the CPU has AVX2 and FMA.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 #include "../common/avx2_float.h"
 #include "fused_layers.h"

@@ -1,5 +1,9 @@
 // Portable fused layer kernels: the fallback on CPUs without AVX2 (and on non-x86 machines).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 #include "../common/scalar_float.h"
 #include "fused_layers.h"

@@ -1,0 +1,57 @@
+// Float32 AVX-512 operations (16 floats per register): the vector type `V` of the row kernels'
+// templates on AVX-512 machines, same interface as rlhf::Avx2Vec (avx2_float.h). Each function
+// carries the avx512f target itself; only code that has checked rlhf::cpu_has_avx512() may call it.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#define RLHF_AVX512_FN static inline __attribute__((target("avx512f,avx2,fma")))
+
+namespace rlhf {
+
+struct Avx512Vec {
+  using T = __m512;
+  static constexpr int64_t kWidth = 16;
+  RLHF_AVX512_FN T zero() { return _mm512_setzero_ps(); }
+  RLHF_AVX512_FN T set1(float x) { return _mm512_set1_ps(x); }
+  RLHF_AVX512_FN T load(const float* p) { return _mm512_loadu_ps(p); }
+  RLHF_AVX512_FN void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  RLHF_AVX512_FN T add(T a, T b) { return _mm512_add_ps(a, b); }
+  RLHF_AVX512_FN T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  RLHF_AVX512_FN T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  RLHF_AVX512_FN T div(T a, T b) { return _mm512_div_ps(a, b); }
+  RLHF_AVX512_FN T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  RLHF_AVX512_FN T max(T a, T b) { return _mm512_max_ps(a, b); }
+  RLHF_AVX512_FN float hmax(T a) { return _mm512_reduce_max_ps(a); }
+  RLHF_AVX512_FN float hsum(T a) { return _mm512_reduce_add_ps(a); }
+
+  // exp(x) as Avx2Vec::exp (Cephes' expf, about 1 ulp); below the smallest normal result 0.
+  RLHF_AVX512_FN T exp(T x) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+    T n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    T y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    const __m512i exponent =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(y, _mm512_castsi512_ps(exponent)));
+  }
+};
+
+}  // namespace rlhf
+
+#undef RLHF_AVX512_FN
+
+#endif  // x86-64

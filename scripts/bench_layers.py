@@ -7,8 +7,10 @@ Hugging Face's eager modules, in the same run on the same weights and tokens.
     python scripts/bench_layers.py --model runs/smollm2/base --batch 4 --seq 256     # a real model folder
 
 Each side runs --repeats timed steps (after 3 untimed) of forward, log-softmax of the logits,
-backward, the two sides in turn; the figures are medians. The last line is one JSON object: fused and eager seconds per
-forward + backward and per forward (no grad), their ratios, and the largest logit difference.
+backward, the two sides in turn; the figures are medians. The last line is one JSON object: fused
+and eager seconds per forward + backward and per forward (no grad), their ratios, one layer's
+attention forward + backward alone (the fused kernels against torch's SDPA), and the largest logit
+difference.
 """
 
 from __future__ import annotations
@@ -77,8 +79,24 @@ def forward(model: torch.nn.Module, ids: torch.Tensor):
     return step
 
 
+def attention_step(fn, model: torch.nn.Module, batch: int, seq: int):
+    """Forward + backward of one layer's causal attention alone, at the model's head shape."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
+
+    def step() -> None:
+        fn(q, k, v, None, head_dim**-0.5).backward(grad)
+        q.grad = k.grad = v.grad = None
+    return step
+
+
 def main() -> None:
-    from rlhf.engine.fused_layers import fuse_layer_ops
+    from rlhf.engine.fused_layers import attention, attention_reference, fuse_layer_ops
 
     args = parse_args()
     eager = build_model(args)
@@ -90,11 +108,15 @@ def main() -> None:
                      .abs().max())
     eager_train, fused_train = interleaved_medians([train_step(eager, ids), train_step(fused, ids)], args.repeats)
     eager_fwd, fused_fwd = interleaved_medians([forward(eager, ids), forward(fused, ids)], args.repeats)
+    torch_attention, fused_attention = interleaved_medians(
+        [attention_step(attention_reference, eager, args.batch, args.seq),
+         attention_step(attention, eager, args.batch, args.seq)], args.repeats)
     print(json.dumps({
         "bench": "fused_layers", "fused_train_s": round(fused_train, 4), "eager_train_s": round(eager_train, 4),
         "train_time_ratio": round(fused_train / eager_train, 3), "fused_forward_s": round(fused_fwd, 4),
         "eager_forward_s": round(eager_fwd, 4), "forward_time_ratio": round(fused_fwd / eager_fwd, 3),
-        "max_logit_diff": diff, "modules_swapped": swapped, "model": args.model or args.family,
+        "fused_attention_train_s": round(fused_attention, 5), "sdpa_attention_train_s": round(torch_attention, 5),
+        "attention_speedup": round(torch_attention / fused_attention, 2), "max_logit_diff": diff, "modules_swapped": swapped, "model": args.model or args.family,
         "batch": args.batch, "seq": args.seq, "threads": torch.get_num_threads(),
     }))
 

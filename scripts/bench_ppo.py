@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
                         "(default 1; 3 with --compile, whose recompiles for new shapes land in iterations 1-3)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="rlhf ppo's token budget")
+    parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
+                        help="rlhf ppo --no-fused-layers: Hugging Face's own RMSNorm/RoPE/SwiGLU/attention modules")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
                         "figures are each side's median run, every run's rate listed under `repeats`")
     args = parser.parse_args()
@@ -147,7 +149,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
-        *(["--compile"] if args.compile else []), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
+        *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
     warmup = args.warmup if args.warmup is not None else (3 if args.compile else 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]

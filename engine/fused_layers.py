@@ -46,6 +46,8 @@ FUSED_LAYERS_OP = OpSpec(
 )
 register_op(FUSED_LAYERS_OP)
 
+FUSED_LAYER_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
+"""Model types (config.model_type) whose layers `fuse_layer_ops` swaps."""
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
@@ -255,8 +257,10 @@ class FusedAttentionMixin(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         dropout = 0.0 if not self.training else self.attention_dropout
+        causal = kwargs.get("is_causal")  # as HF's SDPA decides it: the call's, else the module's
+        causal = getattr(self, "is_causal", True) if causal is None else causal
         if (self.config._attn_implementation == "sdpa" and dropout == 0.0 and not kwargs.get("output_attentions")
-                and fused_attention_applies(query, key, attention_mask)):
+                and (causal or attention_mask is not None) and fused_attention_applies(query, key, attention_mask)):
             output, weights = attention(query, key, value, attention_mask, self.scaling), None
         else:
             family = sys.modules[type(self).__mro__[2].__module__]

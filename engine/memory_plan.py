@@ -40,6 +40,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.engine.flops import Head, first_config_value
+from rlhf.engine.fused_layers import FUSED_LAYER_FAMILIES
 from rlhf.engine.layers import decoder_layers
 
 Shape = tuple[int, ...]
@@ -90,6 +91,13 @@ class ModelShape:
     dropout keeps no noise: frozen embeddings give it no gradient)."""
     frozen_base: bool = False
     """LoRA: norms and the LM head are frozen, so autograd keeps fewer of their inputs."""
+    fused_layers: bool = False
+    """The layers run the fused layer ops (engine/fused_layers.py: Llama-family, float32 on a CPU):
+    each RMSNorm keeps only its input and rstd, the MLP its gate and up (not act(gate))."""
+
+    @property
+    def fuses_layers(self) -> bool:
+        return self.fused_layers and self.model_type in FUSED_LAYER_FAMILIES
 
     @property
     def layers(self) -> int:
@@ -169,11 +177,13 @@ def _adapter_terms(model: torch.nn.Module, head_shapes: list[Shape]) -> dict[str
     }
 
 
-def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module], Any] | None = None) -> ModelShape:
+def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module], Any] | None = None,
+                fused_layers: bool = False) -> ModelShape:
     """The parameter shapes of the causal LM (`head` "lm") or of the value model (backbone plus a
     hidden -> 1 head with bias: reward model, critic) that `config` describes; built on the meta
     device, so no weight is read or allocated. `adapt` changes the model in place first (the
-    app's LoRA injection: peft adapters, base frozen)."""
+    app's LoRA injection: peft adapters, base frozen); `fused_layers`: the layers will run the
+    fused layer ops (see ModelShape.fused_layers)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config) if head == "lm" else AutoModel.from_config(config)
     fused = _fused_projections(model, decoder_layers(model)) if head == "lm" else ()  # the rollout copy is plain
@@ -199,7 +209,7 @@ def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module
         intermediate=_first(text, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden), heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=_first(text, "vocab_size"),
         activation=str(getattr(text, "hidden_act", None) or getattr(text, "activation_function", "")),
-        fused_projections=fused, **lora,
+        fused_projections=fused, fused_layers=fused_layers, **lora,
     )
 
 
@@ -229,9 +239,11 @@ def _layer_saved(shape: ModelShape, c: int) -> int:
     if shape.model_type == "gpt2":  # the LayerNorm outputs and the MLP product
         mlp = 5 if shape.activation == "gelu_new" else 2
         return c * (8 * h + mlp * i + 4) + lse + adapters - (c * (2 * h + i) if dropout else 0)
-    norm = (FP32 + (1 if shape.frozen_base else 2) * c) * h  # a frozen weight's multiply keeps nothing
+    fused = shape.fuses_layers  # the fused norm keeps its input; its output is the projections' input
+    norm = (FP32 + (1 if shape.frozen_base or fused else 2) * c) * h  # a frozen weight's multiply keeps nothing
     unread = c * (2 * h + i) if dropout else 0  # the norms' outputs and the MLP product
-    return 2 * norm + c * (2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + FP32 * 2 + lse + adapters - unread
+    mlp = 3 if fused else 4
+    return 2 * norm + c * (2 * shape.q_dim + 2 * shape.kv_dim + mlp * i) + FP32 * 2 + lse + adapters - unread
 
 
 def _final_saved(shape: ModelShape, c: int) -> int:
@@ -240,7 +252,7 @@ def _final_saved(shape: ModelShape, c: int) -> int:
     head_input = 0 if shape.frozen_base and shape.head == "lm" else c * shape.hidden
     if shape.model_type in ("opt", "gpt2"):
         return c * (shape.hidden + 2) + head_input
-    normalised = 0 if shape.frozen_base else c * shape.hidden
+    normalised = 0 if shape.frozen_base or shape.fuses_layers else c * shape.hidden
     return FP32 * shape.hidden + normalised + head_input + FP32
 
 

@@ -133,15 +133,17 @@ def load_model_config(spec: str, flag: str) -> Any:
                         "folder, its config.json or tiny[:<family>]") from None
 
 
-def shape_of(spec: str, flag: str, head: str, lora: LoRAConfig | None = None) -> ModelShape:
+def shape_of(spec: str, flag: str, head: str, lora: LoRAConfig | None = None,
+             fused_layers: bool = False) -> ModelShape:
     """The parameter shapes of the model `spec` names (`load_model_config`), as an LM or a value
-    model, with the stage's LoRA adapters when `lora` has a rank (injected as the stage does)."""
+    model, with the stage's LoRA adapters when `lora` has a rank (injected as the stage does);
+    `fused_layers`: the run's layers take the fused layer ops (Setting.fused_layers)."""
     adapt = None
     if lora is not None and lora.lora_rank:
         from rlhf.models.lora import apply_lora
 
         adapt = functools.partial(apply_lora, config=lora)
-    return model_shape(load_model_config(spec, flag), head, adapt)  # type: ignore[arg-type]
+    return model_shape(load_model_config(spec, flag), head, adapt, fused_layers)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,8 @@ class Setting:
     fused_adam: bool
     host: frozenset[str] = frozenset()
     """Components held in host memory on a GPU (offload); on the CPU everything is one memory."""
+    fused_layers: bool = False
+    """Llama-family layers run the fused layer ops: --fused-layers without --compile, float32 on a CPU."""
 
     @property
     def runtime(self) -> int:
@@ -175,8 +179,9 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
         host.add("ref params")
     if device == "cuda" and getattr(config, "offload_reward", False):
         host.add("reward params")
+    fused_layers = config.engine.fused_layers and not config.engine.compile and device == "cpu" and dtype == "fp32"
     return Setting(dtype, COMPUTE_BYTES[dtype], world, device, config.engine.optimizer_impl != "torch",
-                   frozenset(host))
+                   frozenset(host), fused_layers)
 
 
 def trained(shape: ModelShape, zero: int, s: Setting) -> TrainedModelMemory:
@@ -251,7 +256,7 @@ def train_moments(m: TrainedModelMemory, tokens: int, head: tuple[int, int], che
 def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | None) -> list[PhasePlan]:
     """sft (a causal LM and its loss over the whole sequence) or reward (a value model on pairs)."""
     head_kind = "lm" if stage == "sft" else "value"
-    shape = shape_of(config.model, "--model", head_kind, config.lora)
+    shape = shape_of(config.model, "--model", head_kind, config.lora, s.fused_layers)
     m = trained(shape, config.engine.zero_stage, s)
     tokens, eval_tokens, accum = supervised_shapes(config, stage, s.world, seq_len)
     values = 2 * FP32 * tokens  # values [rows, T] and their fp32 copy

@@ -108,17 +108,19 @@ def ppo_models(config: PPOConfig, s: Setting) -> PPOModels:
     base is the reference) and the reward model frozen at --zero-stage."""
     zero = config.engine.zero_stage
     lora = dataclasses.replace(config.lora, lora_dropout=0.0)
-    actor = shape_of(config.actor, "--actor", "lm", lora)
+    actor = shape_of(config.actor, "--actor", "lm", lora, s.fused_layers)
     ref = None
     if not (lora.lora_rank and config.ref in (None, config.actor)):
-        ref = FrozenModelMemory(shape_of(config.ref or config.actor, "--ref", "lm"), zero, s.compute, s.world)
+        ref_shape = shape_of(config.ref or config.actor, "--ref", "lm", fused_layers=s.fused_layers)
+        ref = FrozenModelMemory(ref_shape, zero, s.compute, s.world)
     critic = None
     if not config.critic_free:
-        critic_shape = shape_of(config.critic or config.reward, "--critic", "value", lora)
+        critic_shape = shape_of(config.critic or config.reward, "--critic", "value", lora, s.fused_layers)
         critic = trained(critic_shape, config.critic_zero_stage if config.critic_zero_stage is not None else zero, s)
     reward = None
     if config.reward:
-        reward = FrozenModelMemory(shape_of(config.reward, "--reward", "value"), zero, s.compute, s.world)
+        reward_shape = shape_of(config.reward, "--reward", "value", fused_layers=s.fused_layers)
+        reward = FrozenModelMemory(reward_shape, zero, s.compute, s.world)
     actor_zero = config.actor_zero_stage if config.actor_zero_stage is not None else zero
     return PPOModels(trained(actor, actor_zero, s), critic, ref, reward)
 

@@ -189,3 +189,17 @@ def test_tied_embeddings_and_other_families(op) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for family in ("gpt2", "opt"):
         assert fuse_layer_ops(AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=VOCAB))) == 0
+
+
+def test_non_causal_attention_is_left_to_the_model(op) -> None:
+    """A module marked non-causal (no mask: HF's SDPA attends to every key) is not run causally."""
+    model = _model("llama")
+    fused = copy.deepcopy(model)
+    fuse_layer_ops(fused)
+    for m in (model, fused):
+        for layer in m.model.layers:
+            layer.self_attn.is_causal = False
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _close(fused(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits,
+               rtol=1e-4, atol=1e-5)

@@ -270,3 +270,32 @@ def test_ppo_logs_peak_memory_per_phase(tmp_path: Path, tiny_model_dirs: dict) -
     for row in read_metrics(out):
         for phase in ("generation", "reward", "experience", "training"):
             assert row[f"peak_mem_gb_{phase}"] > row["mem_baseline_gb"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("lora", [None, (4, 0.0), (4, 0.1)])
+def test_activation_model_matches_autograd_with_fused_layers(family: str, lora: tuple[int, float] | None) -> None:
+    """With the fused layer ops (float32 CPU, the default there), the layers keep less: each norm
+    its input and rstd, the MLP no act(gate); the table follows."""
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.config import LoRAConfig
+    from rlhf.engine.fused_layers import fuse_layer_ops
+    from rlhf.models.lora import apply_lora
+
+    config = tiny_config(family, vocab_size=50, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=160)
+    config.head_dim = 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    adapt = partial(apply_lora, config=LoRAConfig(lora_rank=lora[0], lora_dropout=lora[1])) if lora else None
+    if adapt is not None:
+        adapt(model)
+    assert fuse_layer_ops(model) > 0
+    model = model.float().train()
+    ids = torch.randint(0, 50, (2, 12))
+    predicted = saved_activation_bytes(model_shape(config, adapt=adapt, fused_layers=True), ids.numel(), 4)
+    assert predicted == pytest.approx(saved_bytes(model, ids), rel=0.03)
+    assert predicted < saved_activation_bytes(model_shape(config, adapt=adapt), ids.numel(), 4)

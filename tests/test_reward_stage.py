@@ -169,10 +169,13 @@ def test_two_rank_zero3_matches_one_rank(base_model: Path, sort_pairs: Path, tmp
     assert _train_metrics(two, "grad_norm") == pytest.approx(_train_metrics(tmp_path / "one", "grad_norm"), rel=1e-4)
     # ZeRO-3 really sharded the 2-rank model.
     assert summary_two["local_parameters_rank0"] < summary_two["parameters"] == summary_one["parameters"]
-    # Scores of about -11 after four steps at lr 1e-2: measured differences are below 2e-5. (With a
-    # trainable head bias, whose gradient is pure rounding noise, Adam made them 3.5e-3.)
+    # Scores of about -14 after four steps at lr 1e-2, where Adam turns the rounding of a different
+    # summation order into differences of up to 2.5e-4: one rank alone moves chosen_mean by 2.3e-4
+    # between micro-batch 4 x 2 and 8 x 1 or 2 x 4 (HF's modules; 2.5e-5 with the fused layers), and
+    # the 2-rank run (a cross-rank sum) lands 2.1e-4 from 4 x 2. (With a trainable head bias, whose
+    # gradient is pure rounding noise, Adam made them 3.5e-3.)
     for key in ("eval_loss", "eval_accuracy", "chosen_mean", "rejected_mean", "score_mean", "score_std"):
-        assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-5, abs=1e-4), key
+        assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-5, abs=5e-4), key
 
 
 def test_resume_continues_where_the_checkpoint_left_off(base_model: Path, sort_pairs: Path, tmp_path: Path) -> None:

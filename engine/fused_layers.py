@@ -296,7 +296,8 @@ def _mixin_for(module: nn.Module) -> type | None:
         return None
     if cls.__name__ in RMS_NORM_CLASSES:
         return FusedRMSNormMixin
-    if cls.__name__ in MLP_CLASSES and getattr(getattr(module, "config", None), "hidden_act", None) in ("silu", "swish"):
+    activation = getattr(getattr(module, "config", None), "hidden_act", None)
+    if cls.__name__ in MLP_CLASSES and activation in ("silu", "swish"):
         return FusedMLPMixin
     if cls.__name__ in ATTENTION_CLASSES:
         return FusedAttentionMixin

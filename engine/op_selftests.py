@@ -342,7 +342,8 @@ def _fused_attention(module: ModuleType, isa: str, rand: Callable[..., torch.Ten
     valid[0, :5] = False
     padded = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool)
     for heads, kv_heads, mask in ((4, 2, None), (3, 3, padded[:, None].contiguous())):
-        q, k, v = rand(batch, heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
+        q = rand(batch, heads, seq, head_dim)
+        k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
         g = rand(batch, seq, heads, head_dim)
         out, lse = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
         tracked = _tracked(q, k, v)

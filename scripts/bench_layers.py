@@ -86,7 +86,8 @@ def attention_step(fn, model: torch.nn.Module, batch: int, seq: int):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
 
     def step() -> None:
@@ -116,7 +117,8 @@ def main() -> None:
         "train_time_ratio": round(fused_train / eager_train, 3), "fused_forward_s": round(fused_fwd, 4),
         "eager_forward_s": round(eager_fwd, 4), "forward_time_ratio": round(fused_fwd / eager_fwd, 3),
         "fused_attention_train_s": round(fused_attention, 5), "sdpa_attention_train_s": round(torch_attention, 5),
-        "attention_speedup": round(torch_attention / fused_attention, 2), "max_logit_diff": diff, "modules_swapped": swapped, "model": args.model or args.family,
+        "attention_speedup": round(torch_attention / fused_attention, 2), "max_logit_diff": diff,
+        "modules_swapped": swapped, "model": args.model or args.family,
         "batch": args.batch, "seq": args.seq, "threads": torch.get_num_threads(),
     }))
 

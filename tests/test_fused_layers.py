@@ -203,3 +203,18 @@ def test_non_causal_attention_is_left_to_the_model(op) -> None:
     with torch.no_grad():
         _close(fused(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits,
                rtol=1e-4, atol=1e-5)
+
+
+def test_activation_checkpointing_recomputes_the_fused_layers_exactly(op) -> None:
+    """A checkpointed fused model recomputes each layer in backward: the same gradients, bit for bit."""
+    model = _model("llama")
+    fuse_layer_ops(model)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.train()
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))
+    for m in (model, checkpointed):
+        m(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)[..., :5].sum().backward()
+    for p, q in zip(model.parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -235,12 +235,18 @@ class Rollout:
 
     @torch.no_grad()
     def check_parity(self, out: GenerationOutput) -> float:
-        """Max |log-prob difference| between train and rollout mode over a few generated tokens."""
+        """Max |log-prob difference| between train and rollout mode over a few generated tokens.
+        In fp32 the rollout side is generation's own log-probs (the decode path that sampled them,
+        KV cache included; one forward fewer); in 16-bit, where decoding rounds differently from a
+        full forward, a rollout-mode forward like the train-mode one."""
         n = min(self.parity_sequences, out.sequences.shape[0])
         seqs, mask = out.sequences[:n], out.attention_mask[:n]
         actions = out.action_mask[:n, 1:]
         train_lp = sequence_logprobs(self.engine.model, seqs, mask)
-        rollout_lp = sequence_logprobs(self.model, seqs, mask)
+        if out.logprobs is not None and self.engine.dtype == "fp32":  # column t + 1's token is position t's
+            rollout_lp = out.logprobs[:n, 1:]
+        else:
+            rollout_lp = sequence_logprobs(self.model, seqs, mask)
         diff = (train_lp.float() - rollout_lp.float()).abs()
         max_diff = float(diff[actions].max()) if actions.any() else 0.0
         max_diff = float(self.engine.ctx.all_reduce_max(torch.tensor(max_diff)))

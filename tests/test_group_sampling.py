@@ -259,7 +259,8 @@ def test_group_index_and_bad_counts() -> None:
 
 def test_rollout_generate_passes_the_counts_through(models, batch) -> None:
     model, (ids, mask) = models["llama"], batch
-    engine = SimpleNamespace(model=model, ctx=SimpleNamespace(device=torch.device("cpu"), all_reduce_max=lambda t: t))
+    engine = SimpleNamespace(model=model, dtype="fp32",
+                             ctx=SimpleNamespace(device=torch.device("cpu"), all_reduce_max=lambda t: t))
     rollout = Rollout(model, engine, tolerance=1e-4)  # type: ignore[arg-type]
     out = rollout.generate(ids, mask, _greedy(6), samples_per_prompt=2)
     assert out.sequences.shape[0] == 6 and rollout.parity_max_diff is not None and rollout.parity_max_diff < 1e-4

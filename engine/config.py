@@ -121,7 +121,7 @@ class EngineConfig:
     compile: bool = False
     """torch.compile each decoder layer (fuses RMSNorm/RoPE/SwiGLU/... elementwise ops; one-off compile time, ~30 s on a small CPU); off by default."""
     fused_layers: bool = True
-    """Run the RMSNorm, RoPE and SwiGLU of Llama-family layers (Llama, Qwen2, Mistral) as fused csrc kernels (float32 on CPU; elsewhere their PyTorch reference, Hugging Face's code); false keeps Hugging Face's modules as they are. Ignored with compile."""
+    """Run the RMSNorm, RoPE, SwiGLU and SDPA attention of Llama-family layers (Llama, Qwen2, Mistral) as fused csrc kernels (float32 on CPU; elsewhere their PyTorch reference, Hugging Face's code); false keeps Hugging Face's modules as they are. Ignored with compile."""
     loss_scale: float = bounded(0.0, ge=0)
     """fp16 only: static loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: int = bounded(16, ge=0, le=64)

@@ -39,6 +39,7 @@ from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
+from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
 __all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "rms_norm", "apply_rope", "signed_sin"]
@@ -50,13 +51,6 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 # -- pure math ----------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as LlamaRMSNorm computes it: in float32, cast back, then scaled."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

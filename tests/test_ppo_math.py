@@ -13,6 +13,7 @@ from rlhf.algorithms.ppo import (
     compute_token_rewards,
     explained_variance,
     gae_advantages,
+    masked_columns,
     kl_estimate,
     masked_mean,
     masked_var,
@@ -307,3 +308,21 @@ def test_kl_controllers() -> None:
     assert ctl.value == pytest.approx(0.1 * 1.02 * 0.99 * 0.9)
     with pytest.raises(ValueError):
         AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+def test_gae_scans_only_the_response_columns_with_the_same_result() -> None:
+    # A prompt span no row's mask holds, a hole inside one response, a trailing padded column:
+    # the scan skips the outside columns (masked_columns) and gives the per-sequence reference.
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 0, 0]])
+    assert masked_columns(mask.bool()) == range(2, 6)
+    rewards, values = torch.randn(3, 7).masked_fill(mask == 0, 7.0), torch.randn(3, 7).masked_fill(mask == 0, -3.0)
+    advantages, returns = gae_advantages(rewards, values, mask, 0.99, 0.95)
+    for b in range(3):
+        idx = [t for t in range(7) if mask[b, t]]
+        ref_adv, ref_ret = _gae_reference([rewards[b, t].item() for t in idx], [values[b, t].item() for t in idx], 0.99, 0.95)
+        assert [advantages[b, t].item() for t in idx] == pytest.approx(ref_adv, rel=1e-6, abs=1e-6)
+        assert [returns[b, t].item() for t in idx] == pytest.approx(ref_ret, rel=1e-6, abs=1e-6)
+    assert advantages[mask == 0].abs().max().item() == 0.0
+    nothing = torch.zeros(2, 4, dtype=torch.bool)
+    assert masked_columns(nothing) == range(0)
+    assert gae_advantages(torch.ones(2, 4), torch.ones(2, 4), nothing, 1.0, 1.0)[0].abs().max().item() == 0.0

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlhf.algorithms.ppo import masked_columns
+
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 """Every estimator name, `gae` (PPO with a critic) first."""
 
@@ -92,13 +94,13 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     penalties of itself and the tokens after it. 0 outside the mask.
     """
     rewards = rewards.to(torch.float32)
+    mask = mask.bool()
     mask_f = mask.to(torch.float32)
     next_return = torch.zeros_like(rewards[:, 0])
     returns = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
+    for t in reversed(masked_columns(mask)):
         current = rewards[:, t] + gamma * next_return
-        m = mask_f[:, t]
-        next_return = m * current + (1.0 - m) * next_return
+        next_return = torch.where(mask[:, t], current, next_return)
         returns[:, t] = current
     return returns * mask_f
 

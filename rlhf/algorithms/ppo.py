@@ -142,6 +142,13 @@ def compute_token_rewards(
     return rewards, kl
 
 
+def masked_columns(mask: Tensor) -> range:
+    """The columns from the first to the last that any row's mask holds (the response span of a
+    left-padded batch): a backward scan skips every column outside it without changing a result."""
+    held = mask.any(dim=0).nonzero()
+    return range(int(held[0]), int(held[-1]) + 1) if held.numel() else range(0)
+
+
 def gae_advantages(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
@@ -158,17 +165,18 @@ def gae_advantages(
     """
     rewards = rewards.to(torch.float32)
     values = values.to(torch.float32)
+    mask = mask.bool()
     mask_f = mask.to(torch.float32)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
+    for t in reversed(masked_columns(mask)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage
-        m = mask_f[:, t]
+        m = mask[:, t]
         # On a masked-out position keep the successor's value/advantage unchanged (skip it).
-        next_value = m * values[:, t] + (1.0 - m) * next_value
-        next_advantage = m * advantage + (1.0 - m) * next_advantage
+        next_value = torch.where(m, values[:, t], next_value)
+        next_advantage = torch.where(m, advantage, next_advantage)
         advantages[:, t] = advantage
     advantages = advantages * mask_f
     returns = (advantages + values) * mask_f

@@ -158,15 +158,15 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                 scale: float, op: ModuleType) -> torch.Tensor:
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out, lse = op.attention_forward(query, key, value, mask, scale)
-        ctx.save_for_backward(query, key, value, out, lse)
+        out, stats = op.attention_forward(query, key, value, mask, scale)
+        ctx.save_for_backward(query, key, value, out, stats)
         ctx.mask, ctx.scale, ctx.op = mask, scale, op
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
-        grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, lse, ctx.scale)
+        query, key, value, out, stats = ctx.saved_tensors
+        grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, stats, ctx.scale)
         return *grads, None, None, None
 
 

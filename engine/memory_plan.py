@@ -243,7 +243,8 @@ def _layer_saved(shape: ModelShape, c: int) -> int:
     norm = (FP32 + (1 if shape.frozen_base or fused else 2) * c) * h  # a frozen weight's multiply keeps nothing
     unread = c * (2 * h + i) if dropout else 0  # the norms' outputs and the MLP product
     mlp = 3 if fused else 4
-    return 2 * norm + c * (2 * shape.q_dim + 2 * shape.kv_dim + mlp * i) + FP32 * 2 + lse + adapters - unread
+    stats = 2 * lse if fused else lse  # the fused attention keeps each row's score max and 1 / sum
+    return 2 * norm + c * (2 * shape.q_dim + 2 * shape.kv_dim + mlp * i) + FP32 * 2 + stats + adapters - unread
 
 
 def _final_saved(shape: ModelShape, c: int) -> int:

@@ -345,12 +345,12 @@ def _fused_attention(module: ModuleType, isa: str, rand: Callable[..., torch.Ten
         q = rand(batch, heads, seq, head_dim)
         k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
         g = rand(batch, seq, heads, head_dim)
-        out, lse = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
+        out, stats = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
         tracked = _tracked(q, k, v)
         with torch.enable_grad():
             want = attention_reference(*tracked, mask, head_dim**-0.5)
         worst.close(f"attention isa={isa} heads={heads}/{kv_heads} mask={mask is not None}", out, want, 1e-5, 1e-5)
-        got = module.attention_backward(g, q, k, v, mask, out, lse, head_dim**-0.5, isa)
+        got = module.attention_backward(g, q, k, v, mask, out, stats, head_dim**-0.5, isa)
         for name, a, b in zip("qkv", got, _grads(want, g, tracked)):
             worst.close(f"attention grad {name} isa={isa} heads={heads}/{kv_heads}", a, b, 1e-4, 1e-5)
 

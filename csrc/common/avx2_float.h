@@ -44,6 +44,38 @@ struct Avx2Vec : Avx2Float {
     return _mm_cvtss_f32(x);
   }
 
+  // x with lanes n.. set to -inf (0 <= n <= 8).
+  RLHF_AVX2_FN T keep_first(T x, int64_t n) {
+    const __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, _mm256_castsi256_ps(kept));
+  }
+  // x with the lanes whose byte of m is 0 set to -inf (m: 8 readable bytes).
+  RLHF_AVX2_FN T keep_where(T x, const uint8_t* m) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+    const __m256i hidden = _mm256_cmpeq_epi32(bytes, _mm256_setzero_si256());
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-__builtin_inff()), _mm256_castsi256_ps(hidden));
+  }
+
+  // dst[c * dst_stride + r] = src[r * src_stride + c] for an 8 x 8 tile (r, c < 8).
+  RLHF_AVX2_FN void transpose_tile(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+    T r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_ps(dst + k * dst_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+      _mm256_storeu_ps(dst + (k + 4) * dst_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+    }
+  }
+
   // out[0..4) = the horizontal sums of a, b, c, d.
   RLHF_AVX2_FN void hsum4(T a, T b, T c, T d, float* out) {
     const T ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);

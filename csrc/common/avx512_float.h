@@ -28,6 +28,43 @@ struct Avx512Vec {
   RLHF_AVX512_FN float hmax(T a) { return _mm512_reduce_max_ps(a); }
   RLHF_AVX512_FN float hsum(T a) { return _mm512_reduce_add_ps(a); }
 
+  // x with lanes n.. set to -inf (0 <= n <= 16).
+  RLHF_AVX512_FN T keep_first(T x, int64_t n) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), static_cast<__mmask16>((1u << n) - 1u), x);
+  }
+  // x with the lanes whose byte of m is 0 set to -inf (m: 16 readable bytes).
+  RLHF_AVX512_FN T keep_where(T x, const uint8_t* m) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), _mm512_test_epi32_mask(bytes, bytes), x);
+  }
+
+  // dst[c * dst_stride + r] = src[r * src_stride + c] for a 16 x 16 tile (r, c < 16): pairs of rows
+  // interleaved, then 64-bit pairs, then 128-bit lanes twice (the usual 4-stage shuffle network).
+  RLHF_AVX512_FN void transpose_tile(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+    T r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 16; i += 8) {
+      for (int k = 0; k < 4; ++k) {
+        t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
+        t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
+      }
+    }
+    for (int k = 0; k < 8; ++k) {
+      _mm512_storeu_ps(dst + k * dst_stride, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+      _mm512_storeu_ps(dst + (k + 8) * dst_stride, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd));
+    }
+  }
+
   // exp(x) as Avx2Vec::exp (Cephes' expf, about 1 ulp); below the smallest normal result 0.
   RLHF_AVX512_FN T exp(T x) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);

@@ -215,37 +215,37 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
                        batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale)};
 }
 
-// -> (out [batch, seq, heads, head_dim], lse [batch, heads, seq]).
+// -> (out [batch, seq, heads, head_dim], stats [batch, heads, seq, 2]: each row's score max and 1 / sum).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::optional<at::Tensor>& mask, double scale,
                                                      const std::string& isa) {
   const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
   const LayerKernels& kernels = resolve_isa(isa);
   at::Tensor out = at::empty({a.batch, a.seq, a.heads, a.head_dim}, q.options());
-  at::Tensor lse = at::empty({a.batch, a.heads, a.seq}, q.options());
-  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
-  at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t b, int64_t e) { kernels.attention_forward(a, op, lp, b, e); });
-  return {out, lse};
+  at::Tensor stats = at::empty({a.batch, a.heads, a.seq, 2}, q.options());
+  float *op = out.data_ptr<float>(), *sp = stats.data_ptr<float>();
+  at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t b, int64_t e) { kernels.attention_forward(a, op, sp, b, e); });
+  return {out, stats};
 }
 
 // -> (grad_q, grad_k, grad_v) from grad_out [batch, seq, heads, head_dim].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& lse, double scale,
+    const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& stats, double scale,
     const std::string& isa) {
   const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
   check_float_cpu(grad, "grad");
   check_float_cpu(out, "out");
-  check_float_cpu(lse, "lse");
+  check_float_cpu(stats, "stats");
   TORCH_CHECK(grad.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == a.batch && out.size(1) == a.seq &&
-                  out.size(2) == a.heads && out.size(3) == a.head_dim && lse.numel() == a.batch * a.heads * a.seq,
+                  out.size(2) == a.heads && out.size(3) == a.head_dim && stats.numel() == 2 * a.batch * a.heads * a.seq,
               "rlhf_fused_layers: attention_backward shapes differ from the forward's");
   const LayerKernels& kernels = resolve_isa(isa);
   at::Tensor gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
-  const float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>(), *gp = grad.data_ptr<float>();
+  const float *op = out.data_ptr<float>(), *sp = stats.data_ptr<float>(), *gp = grad.data_ptr<float>();
   float *gqp = gq.data_ptr<float>(), *gkp = gk.data_ptr<float>(), *gvp = gv.data_ptr<float>();
   at::parallel_for(0, a.batch * a.kv_heads, 1,
-                   [&](int64_t b, int64_t e) { kernels.attention_backward(a, op, lp, gp, gqp, gkp, gvp, b, e); });
+                   [&](int64_t b, int64_t e) { kernels.attention_backward(a, op, sp, gp, gqp, gkp, gvp, b, e); });
   return {gq, gk, gv};
 }
 
@@ -270,10 +270,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]", release);
   m.def("attention_forward", &L::attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("scale"), py::arg("isa") = "auto",
-        "q [B, H, T, D], k/v [B, Hkv, S, D], mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], lse)",
+        "q [B, H, T, D], k/v [B, Hkv, S, D], mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], stats [B, H, T, 2])",
         release);
   m.def("attention_backward", &L::attention_backward, py::arg("grad"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("mask"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("isa") = "auto",
+        py::arg("mask"), py::arg("out"), py::arg("stats"), py::arg("scale"), py::arg("isa") = "auto",
         "-> (grad_q, grad_k, grad_v)", release);
   m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

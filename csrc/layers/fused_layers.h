@@ -51,12 +51,13 @@ struct LayerKernels {
   // gx[b, t, h] = the transpose of rope_forward applied to gout[b, h, t], rows as above.
   void (*rope_backward)(const RopeArgs& a, const float* gout, float* gx, int64_t begin, int64_t end);
   // Tasks [begin, end) of batch * kv_heads: out [batch, seq, heads, head_dim] (the layout the
-  // output projection reads) = softmax(scale * q k^T) v over visible keys; lse [batch, heads, seq]
-  // = the rows' log-sum-exp of the visible scaled scores (-inf for a query that sees nothing).
-  void (*attention_forward)(const AttentionArgs& a, float* out, float* lse, int64_t begin, int64_t end);
+  // output projection reads) = softmax(scale * q k^T) v over visible keys; stats [batch, heads, seq, 2]
+  // = each row's max of the visible scaled scores and 1 / sum exp(score - max) (-inf, 0 for a query
+  // that sees nothing): its softmax is exp(score - max) * that, with no logarithm to take.
+  void (*attention_forward)(const AttentionArgs& a, float* out, float* stats, int64_t begin, int64_t end);
   // The same tasks' gradients from gout [batch, seq, heads, head_dim], with the forward's out and
-  // lse: gq like q, gk and gv like k and v (each task owns its KV head's rows of gk and gv).
-  void (*attention_backward)(const AttentionArgs& a, const float* out, const float* lse, const float* gout, float* gq,
+  // stats: gq like q, gk and gv like k and v (each task owns its KV head's rows of gk and gv).
+  void (*attention_backward)(const AttentionArgs& a, const float* out, const float* stats, const float* gout, float* gq,
                              float* gk, float* gv, int64_t begin, int64_t end);
 };
 

@@ -39,6 +39,7 @@ from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
+from rlhf.engine import fused_layers
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
@@ -230,7 +231,9 @@ class FastLlamaDecoder:
         # The model's own rotary module, asked once for every position the rollout can reach.
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
-        self.cos, self.sin_signed = cos[0], signed_sin(sin[0])  # [max_len, head_dim]
+        self.cos, self.sin, self.sin_signed = cos[0], sin[0], signed_sin(sin[0])  # [max_len, head_dim]
+        # A model whose layers run the fused layer ops (--fused-layers) prefills through them too.
+        self.fused_prefill = fused_layers.uses_fused_layers(model) and dtype == torch.float32 and device.type == "cpu"
 
         # Left uninitialised: a step reads only the prefix that earlier steps have written.
         shape = (batch, self.num_kv_heads, max_len, self.head_dim)
@@ -345,7 +348,33 @@ class FastLlamaDecoder:
             out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
         return F.linear(out, w.wo, w.bo)
 
-    def _mlp(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _fused_attention(
+        self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor, batch: int, steps: int, last_only: bool,
+    ) -> torch.Tensor:
+        """_attention of a prefill through the fused layer ops (engine/fused_layers.py): RoPE (cos,
+        sin [B, T, D]) writes the heads' layout, the attention kernel takes the boolean mask."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv).view(batch, steps, -1)
+        cos, sin = rope
+        q = fused_layers.rope(qkv.narrow(2, 0, heads * head_dim), cos, sin, heads)
+        k = fused_layers.rope(qkv.narrow(2, heads * head_dim, kv_heads * head_dim), cos, sin, kv_heads)
+        v = qkv.narrow(2, (heads + kv_heads) * head_dim, kv_heads * head_dim).view(batch, steps, kv_heads, head_dim)
+        v = v.transpose(1, 2).contiguous()
+        self.keys[layer].narrow(2, self.length, steps).copy_(k)
+        self.values[layer].narrow(2, self.length, steps).copy_(v)
+        out = fused_layers.attention(q, k, v, mask, self.scaling)  # [B, T, H, D]
+        out = out[:, -1] if last_only else out
+        return F.linear(out.reshape(-1, heads * head_dim), w.wo, w.bo)
+
+    def _mlp(self, w: _LayerWeights, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and self.act is F.silu:
+            h = fused_layers.rms_norm(x, w.post_norm, w.post_eps)
+            ffn = w.w_down.shape[1]
+            bias = (None, None) if w.b_gate_up is None else (w.b_gate_up[:ffn], w.b_gate_up[ffn:])
+            # Gate and up as two products into their own tensors: the fused SwiGLU reads them whole.
+            gate, up = F.linear(h, w.w_gate_up[:ffn], bias[0]), F.linear(h, w.w_gate_up[ffn:], bias[1])
+            return F.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
         gate, up = F.linear(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, w.w_down, w.b_down)
 
@@ -360,16 +389,22 @@ class FastLlamaDecoder:
         batch, steps = tokens.shape
         if self.length + steps > self.max_len:
             raise RuntimeError(f"KV cache overflow: writing up to position {self.length + steps} of {self.max_len}")
-        rope = (self.cos[position_ids].unsqueeze(2), self.sin_signed[position_ids].unsqueeze(2))
+        # Prefill through the fused layer ops where the model runs them (a boolean [B, 1, T, T] mask).
+        fused = self.fused_prefill and self.length == 0 and steps > 1 and mask.dtype == torch.bool and mask.dim() == 4
+        if fused:
+            rope = (self.cos[position_ids], self.sin[position_ids])
+        else:
+            rope = (self.cos[position_ids].unsqueeze(2), self.sin_signed[position_ids].unsqueeze(2))
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, hidden]
         last_layer = len(self.layers) - 1
         for i, w in enumerate(self.layers):
             last_only = i == last_layer and steps > 1
-            attn = self._attention(w, x, i, rope, mask, batch, steps, last_only)
+            attention = self._fused_attention if fused else self._attention
+            attn = attention(w, x, i, rope, mask, batch, steps, last_only)
             if last_only:
                 x = x.view(batch, steps, -1)[:, -1]
             x = x + attn
-            x = x + self._mlp(w, x)
+            x = x + self._mlp(w, x, fused)
         self.length += steps
         return F.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
 

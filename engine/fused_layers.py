@@ -32,7 +32,7 @@ from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "rms_norm", "rms_norm_reference", "rope",
-    "rope_reference", "swiglu", "swiglu_reference",
+    "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
 ]
 
 FUSED_LAYERS_OP = OpSpec(
@@ -314,3 +314,9 @@ def fuse_layer_ops(model: nn.Module) -> int:
             module.__class__ = _fused_class(type(module), mixin)
             swapped += 1
     return swapped
+
+
+def uses_fused_layers(model: nn.Module) -> bool:
+    """Whether `fuse_layer_ops` swapped any of `model`'s modules (the engine's --fused-layers)."""
+    fused = tuple(_FUSED_CLASSES.values())
+    return bool(fused) and any(isinstance(module, fused) for module in model.modules())

@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES
+from rlhf.engine.fused_layers import fuse_layer_ops, uses_fused_layers
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.lora import merged_parameters
@@ -111,6 +112,8 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
             buf.copy_(train_buffers[name].to(buf.dtype) if buf.is_floating_point() else train_buffers[name])
     if tp_size > 1:
         parallelize_module(model, ctx.tp_mesh(tp_size)["tp"], tensor_parallel_plan(model, tp_size))
+    elif uses_fused_layers(train_model):
+        fuse_layer_ops(model)  # as train mode runs them (--fused-layers): the fast decoder's prefill too
     model.eval()
     model.requires_grad_(False)
     return model

@@ -267,3 +267,40 @@ def test_weights_are_read_from_the_model_not_copied_where_no_fusion_is_needed(mo
     assert layer.wo.data_ptr() == attn.o_proj.weight.data_ptr()
     assert torch.equal(layer.wqkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert torch.equal(layer.bqkv, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_a_fused_model_prefills_through_the_fused_layer_ops(models, batch, family: str, monkeypatch) -> None:
+    # A model whose layers run the fused layer ops (--fused-layers) prefills through them too:
+    # the same logits as the plain model's reference prefill, the same cache for later steps.
+    import copy
+
+    from rlhf.engine import fused_layers
+
+    plain, (ids, mask) = models[family], batch
+    fused = copy.deepcopy(plain)
+    assert fused_layers.fuse_layer_ops(fused) > 0 and fused_layers.uses_fused_layers(fused)
+    assert not fused_layers.uses_fused_layers(plain)
+    calls = {"attention": 0}
+    kernel_attention = fused_layers.attention
+
+    def counted(*args, **kwargs):
+        calls["attention"] += 1
+        return kernel_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "attention", counted)
+    b, p = ids.shape
+    decoder = FastLlamaDecoder(fused, b, p + 4, cpu_kernel=False)
+    assert decoder.fused_prefill and not FastLlamaDecoder(plain, b, p + 4).fused_prefill
+    ref = HFForwardRunner(plain, p + 4)
+    positions = position_ids_from_mask(mask)
+    with torch.no_grad():
+        torch.testing.assert_close(decoder.prefill(ids, mask, positions), ref.prefill(ids, mask, positions),
+                                   atol=1e-4, rtol=0)
+        assert calls["attention"] == len(plain.model.layers)
+        token = torch.full((b, 1), 5)
+        full_mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
+        torch.testing.assert_close(decoder.decode(token, full_mask, positions[:, -1:] + 1),
+                                   ref.decode(token, full_mask, positions[:, -1:] + 1), atol=1e-4, rtol=0)
+    assert calls["attention"] == len(plain.model.layers)  # decode steps do not go through it
+    assert torch.equal(generate(fused, ids, mask, _greedy(8)).sequences, generate(plain, ids, mask, _greedy(8)).sequences)

@@ -218,3 +218,31 @@ def test_activation_checkpointing_recomputes_the_fused_layers_exactly(op) -> Non
         m(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)[..., :5].sum().backward()
     for p, q in zip(model.parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "no-fused-layers"])
+def test_rollout_model_runs_the_layers_as_train_mode_does(tiny_model_dirs, fused: bool) -> None:
+    # The rollout copy of the actor is fused exactly when train mode is (--fused-layers), so the
+    # fast decoder's prefill (and an HF-forward fallback) runs the kernels the training forward
+    # runs; the parity check between the two modes passes either way.
+    from rlhf.engine.config import EngineConfig
+    from rlhf.engine.distributed import DistributedContext
+    from rlhf.engine.fused_layers import uses_fused_layers
+    from rlhf.engine.rollout import rollout_mode
+    from rlhf.engine.sampling import SamplingParams
+    from rlhf.engine.train_engine import TrainEngine
+    from rlhf.models.loading import load_causal_lm
+
+    ctx = DistributedContext.initialize()
+    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, fused_layers=fused)
+    engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
+    assert uses_fused_layers(engine.model) == fused
+    prompts = torch.randint(4, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0
+    params = SamplingParams(max_new_tokens=5, do_sample=False, eos_token_id=2, pad_token_id=0)
+    with rollout_mode(engine) as rollout:
+        assert uses_fused_layers(rollout.model) == fused
+        out = rollout.generate(prompts.masked_fill(mask == 0, 0), mask, params)
+        assert rollout.parity_max_diff is not None and rollout.parity_max_diff < 1e-4
+    assert out.sequences.shape == (2, 11)

@@ -60,17 +60,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _finite_on_one_device(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every element of `tensors` (one device) finite. The inf-norm (each tensor's largest
+    |value|) cannot overflow, and NaN propagates through it. On the CPU, where torch's abs-max is
+    ~10x slower than its 2-norm, a finite 2-norm answers first (NaN and inf propagate into it
+    too); only a non-finite one, possibly the overflow of large finite values, needs the inf-norm."""
+    if tensors[0].device.type == "cpu" and bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
+        return torch.tensor(True)
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=float("inf")))).all()
+
+
 def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: every element finite (one pass, no host sync).
-    The inf-norm is each tensor's largest |value|, so it cannot overflow as a 2-norm of large but
-    finite values would, and NaN propagates through it."""
+    """A 0-d bool tensor on the tensors' device: every element finite (no host sync off the CPU)."""
     tensors = [t.detach() for t in tensors if t.numel() > 0 and not t.is_meta]
     if not tensors:
         return torch.tensor(True)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
-    flags = [torch.isfinite(torch.stack(torch._foreach_norm(ts, ord=float("inf")))).all() for ts in by_device.values()]
+    flags = [_finite_on_one_device(ts) for ts in by_device.values()]
     return flags[0] if len(flags) == 1 else torch.stack([f.cpu() for f in flags]).all()
 
 

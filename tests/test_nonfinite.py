@@ -338,3 +338,18 @@ def test_collapsed_model_warns_that_nothing_is_learned(tiny_model_dirs, sft_data
     main(["sft", "--model", str(tiny_model_dirs["llama"]), "--data", str(sft_data), "--output", str(tmp_path / "o"),
           "--lr", "1e6", "--max-steps", "8", "--report-to", "none", "--micro-batch-size", "8"])
     assert sum("gradient norm exactly 0 for 3 steps in a row" in w for w in warnings) == 1
+
+
+def test_all_finite_is_exact_for_huge_values_nan_and_inf() -> None:
+    # The CPU answers from the 2-norm first; 1e30 squared overflows it, yet the values are finite.
+    from rlhf.engine.train_engine import all_finite
+
+    huge = [torch.full((3, 4), 1e30), torch.ones(5)]
+    assert bool(all_finite(huge))
+    assert bool(all_finite([torch.zeros(2), torch.randn(70000)]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(70000)
+        t[12345] = bad
+        assert not bool(all_finite([torch.ones(3), t]))
+        assert not bool(all_finite([torch.full((2,), 1e30), t]))
+    assert bool(all_finite([]))

@@ -72,7 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peer-trl", action="store_true", help="also run TRL's rate script, in this invocation")
     parser.add_argument("--compile", action="store_true", help="rlhf ppo --compile (torch.compile each decoder layer)")
     parser.add_argument("--warmup", type=int, default=None, help="leading iterations left out of the rates "
-                        "(default 1; 3 with --compile, whose recompiles for new shapes land in iterations 1-3)")
+                        "(default 1; 2 with --model, where on a 135M model the first two iterations spend seconds in "
+                        "the kernel zeroing fresh pages; 3 with --compile, whose recompiles land in iterations 1-3)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="rlhf ppo's token budget")
     parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
@@ -151,7 +152,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
         *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
-    warmup = args.warmup if args.warmup is not None else (3 if args.compile else 1)
+    warmup = args.warmup if args.warmup is not None else (3 if args.compile else 2 if args.model else 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
     phases = ("generation_s", "reward_s", "experience_s", "training_s")
     per_phase = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in phases}

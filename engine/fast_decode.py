@@ -16,7 +16,10 @@ functions over tensors it reads from the HF module (the module and its forward a
   under the padding mask. A decode step packs the query heads of each KV group into the query
   axis (GQA without repeating keys, as transformers' own `pack_gqa` does); for group sampling
   `expand` copies each prefilled prompt's rows of the cache to its samples' rows;
-- the final norm and lm_head run only on the last position.
+- the final norm and lm_head run only on the last position;
+- a model whose layers run the fused layer ops (`fuse_layer_ops`, the engine's --fused-layers;
+  float32 on a CPU) prefills through them as well: RMSNorm, RoPE, SwiGLU and the attention
+  kernel under the prompt's boolean mask (decode steps run the fused CPU decode op).
 
 Numerics follow the HF modules op for op (RMSNorm upcasts to float32 and casts back before the
 weight, RoPE in the model dtype), so greedy tokens match the reference path; the HF forward
@@ -38,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 from rlhf.engine import fused_layers
+from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 

@@ -144,7 +144,8 @@ def compute_token_rewards(
 
 def masked_columns(mask: Tensor) -> range:
     """The columns from the first to the last that any row's mask holds (the response span of a
-    left-padded batch): a backward scan skips every column outside it without changing a result."""
+    left-padded batch): a backward scan skips every column outside it without changing a result.
+    One host sync (the span's ends)."""
     held = mask.any(dim=0).nonzero()
     return range(int(held[0]), int(held[-1]) + 1) if held.numel() else range(0)
 

@@ -363,7 +363,7 @@ class FastLlamaDecoder:
         q = fused_layers.rope(qkv.narrow(2, 0, heads * head_dim), cos, sin, heads)
         k = fused_layers.rope(qkv.narrow(2, heads * head_dim, kv_heads * head_dim), cos, sin, kv_heads)
         v = qkv.narrow(2, (heads + kv_heads) * head_dim, kv_heads * head_dim).view(batch, steps, kv_heads, head_dim)
-        v = v.transpose(1, 2).contiguous()
+        v = v.transpose(1, 2)  # the kernels read it through its strides
         self.keys[layer].narrow(2, self.length, steps).copy_(k)
         self.values[layer].narrow(2, self.length, steps).copy_(v)
         out = fused_layers.attention(q, k, v, mask, self.scaling)  # [B, T, H, D]

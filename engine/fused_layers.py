@@ -157,7 +157,10 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                 scale: float, op: ModuleType) -> torch.Tensor:
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        # The kernels read values through their strides: a value projection seen as [B, Hkv, S, D]
+        # (a transposed view) needs no copy, and its gradient comes back in the same layout.
+        query, key = query.contiguous(), key.contiguous()
+        value = value if value.stride(-1) == 1 else value.contiguous()
         out, stats = op.attention_forward(query, key, value, mask, scale)
         ctx.save_for_backward(query, key, value, out, stats)
         ctx.mask, ctx.scale, ctx.op = mask, scale, op

@@ -336,14 +336,16 @@ def fused_layers(module: ModuleType, device: torch.device) -> str:
 
 
 def _fused_attention(module: ModuleType, isa: str, rand: Callable[..., torch.Tensor], worst: _Worst) -> None:
-    """Causal GQA attention and a left-padding mask (every query sees itself), forward and backward."""
+    """Causal GQA attention and a left-padding mask (every query sees itself), forward and backward;
+    the masked case reads its values as a projection's [B, S, Hkv, D] seen transposed (strided)."""
     batch, seq, head_dim = 2, 19, 24
     valid = torch.ones(batch, seq, dtype=torch.bool)
     valid[0, :5] = False
     padded = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool)
     for heads, kv_heads, mask in ((4, 2, None), (3, 3, padded[:, None].contiguous())):
         q = rand(batch, heads, seq, head_dim)
-        k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
+        k = rand(batch, kv_heads, seq, head_dim)
+        v = rand(batch, kv_heads, seq, head_dim) if mask is None else rand(batch, seq, kv_heads, head_dim).transpose(1, 2)
         g = rand(batch, seq, heads, head_dim)
         out, stats = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
         tracked = _tracked(q, k, v)

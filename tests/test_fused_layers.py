@@ -113,6 +113,44 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
         _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa_index", [0, -1], ids=["first-isa", "widest-isa"])
+@pytest.mark.parametrize("layout", ["transposed", "narrowed"])
+def test_attention_reads_values_through_their_strides(op, isa_index: int, layout: str) -> None:
+    """Values as a projection's [B, S, Hkv, D] seen transposed (dense: the value gradient comes
+    back in that layout, so the view's backward needs no copy) or a slice of a wider qkv (not
+    dense: a contiguous gradient): the same outputs and gradients as contiguous values, and the
+    autograd function makes no copy of them."""
+    isa = op.supported_isas()[isa_index]
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 37, 24
+    q, k = torch.randn(batch, heads, seq, head_dim, generator=gen), torch.randn(batch, kv_heads, seq, head_dim, generator=gen)
+    if layout == "transposed":
+        v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen).transpose(1, 2)
+    else:
+        v = torch.randn(batch, seq, 3 * kv_heads * head_dim, generator=gen).narrow(2, kv_heads * head_dim,
+                                                                                   kv_heads * head_dim)
+        v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    assert not v.is_contiguous()
+    grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out, stats = op.attention_forward(q, k, v, None, scale, isa)
+    dense_out, dense_stats = op.attention_forward(q, k, v.contiguous(), None, scale, isa)
+    assert torch.equal(out, dense_out) and torch.equal(stats, dense_stats)
+    got = op.attention_backward(grad, q, k, v, None, out, stats, scale, isa)
+    want = op.attention_backward(grad, q, k, v.contiguous(), None, out, stats, scale, isa)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert (got[2].stride() == v.stride()) == (layout == "transposed")
+    tracked_v = v.detach().clone().requires_grad_() if layout == "narrowed" else None
+    if tracked_v is None:  # through autograd: the gradient of the projection's own tensor
+        base = v.transpose(1, 2).detach().clone().requires_grad_()
+        attention(q, k, base.transpose(1, 2), None, scale).backward(grad)
+        _close(base.grad.transpose(1, 2), want[2], rtol=1e-6, atol=1e-6)
+    else:
+        attention(q, k, tracked_v, None, scale).backward(grad)
+        _close(tracked_v.grad, want[2], rtol=1e-6, atol=1e-6)
+
+
 def test_attention_falls_back_where_the_kernels_do_not_apply(op) -> None:
     """A float mask, a bf16 input or a KV cache longer than the queries without a mask take the reference."""
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8)

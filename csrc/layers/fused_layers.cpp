@@ -191,7 +191,8 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
                              double scale) {
   check_float_cpu(q, "query");
   check_float_cpu(k, "key");
-  check_float_cpu(v, "value");
+  TORCH_CHECK(v.defined() && v.device().is_cpu() && v.scalar_type() == at::kFloat && v.dim() == 4 && v.stride(3) == 1,
+              "rlhf_fused_layers: value must be a 4-D float32 CPU tensor whose last dim is contiguous");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "rlhf_fused_layers: attention wants q [B, H, T, D] and k, v [B, Hkv, S, D] with H a multiple of Hkv; got ",
@@ -211,8 +212,10 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(keys == seq, "rlhf_fused_layers: causal attention (no mask) needs as many keys as queries, got ", keys,
                 " and ", seq);
   }
-  return AttentionArgs{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride,
-                       batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale)};
+  AttentionArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride,
+                  batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale), {}, {}};
+  for (int i = 0; i < 3; ++i) a.v_stride[i] = a.gv_stride[i] = v.stride(i);
+  return a;
 }
 
 // -> (out [batch, seq, heads, head_dim], stats [batch, heads, seq, 2]: each row's score max and 1 / sum).
@@ -233,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& stats, double scale,
     const std::string& isa) {
-  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
+  AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
   check_float_cpu(grad, "grad");
   check_float_cpu(out, "out");
   check_float_cpu(stats, "stats");
@@ -241,7 +244,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                   out.size(2) == a.heads && out.size(3) == a.head_dim && stats.numel() == 2 * a.batch * a.heads * a.seq,
               "rlhf_fused_layers: attention_backward shapes differ from the forward's");
   const LayerKernels& kernels = resolve_isa(isa);
+  // The value gradient in the value's layout where that is dense (a transposed projection), else contiguous.
   at::Tensor gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+  for (int i = 0; i < 3; ++i) a.gv_stride[i] = gv.stride(i);
+  TORCH_CHECK(gv.stride(3) == 1, "rlhf_fused_layers: value gradient layout");
   const float *op = out.data_ptr<float>(), *sp = stats.data_ptr<float>(), *gp = grad.data_ptr<float>();
   float *gqp = gq.data_ptr<float>(), *gkp = gk.data_ptr<float>(), *gvp = gv.data_ptr<float>();
   at::parallel_for(0, a.batch * a.kv_heads, 1,
@@ -270,7 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]", release);
   m.def("attention_forward", &L::attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("scale"), py::arg("isa") = "auto",
-        "q [B, H, T, D], k/v [B, Hkv, S, D], mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], stats [B, H, T, 2])",
+        "q [B, H, T, D], k/v [B, Hkv, S, D] (v: any strides, last dim contiguous), mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], stats [B, H, T, 2])",
         release);
   m.def("attention_backward", &L::attention_backward, py::arg("grad"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("mask"), py::arg("out"), py::arg("stats"), py::arg("scale"), py::arg("isa") = "auto",

@@ -21,9 +21,11 @@ struct RopeArgs {
 };
 
 // Attention of one (batch row, KV head) task: its query heads over its keys, in the layouts
-// q [batch, heads, seq, head_dim], k/v [batch, kv_heads, keys, head_dim] (all contiguous), with
-// either causal visibility (key j visible to query i when j <= i) or a boolean mask
-// [batch or 1, 1, seq, keys] (nonzero = visible). A query that sees no key gets zeros.
+// q [batch, heads, seq, head_dim], k [batch, kv_heads, keys, head_dim] (contiguous) and v of k's
+// shape with any strides but a contiguous last dim (a value projection's [batch, keys, kv_heads,
+// head_dim] seen transposed needs no copy), with either causal visibility (key j visible to query
+// i when j <= i) or a boolean mask [batch or 1, 1, seq, keys] (nonzero = visible). A query that
+// sees no key gets zeros.
 struct AttentionArgs {
   const float* q;
   const float* k;
@@ -32,6 +34,8 @@ struct AttentionArgs {
   int64_t mask_batch_stride;  // 0 when one mask serves the whole batch
   int64_t batch, heads, kv_heads, seq, keys, head_dim;
   float scale;
+  int64_t v_stride[3];        // v's strides (floats) over batch, kv head, key
+  int64_t gv_stride[3];       // backward: the value gradient's, likewise
 };
 
 struct LayerKernels {

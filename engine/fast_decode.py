@@ -7,7 +7,9 @@ against 0.9 ms here). In the manner of gpt-fast, `FastLlamaDecoder` runs the sam
 functions over tensors it reads from the HF module (the module and its forward are untouched):
 
 - per generate() call the weights are gathered once: q/k/v concatenated into one projection
-  (with Qwen2's biases), gate/up into another, so a layer is 4 matmuls instead of 7;
+  (with Qwen2's biases), gate/up into another, so a layer is 4 matmuls instead of 7; the two
+  are stored transposed, [in, out] row-major: at a decode step's few rows MKL multiplies that
+  layout ~1.4x faster than a [out, in] weight it must repack on every call;
 - RoPE cos/sin come from the model's own rotary embedding module, tabulated once for every
   position of the rollout (so rope_scaling types such as linear, llama3 or yarn are honoured),
   and are applied to queries and keys together;
@@ -132,25 +134,33 @@ class _LayerWeights:
 
     input_norm: torch.Tensor
     input_eps: float
-    wqkv: torch.Tensor
+    wqkv_t: torch.Tensor
+    """[hidden, (heads + 2 kv_heads) head_dim], contiguous (x @ wqkv_t)."""
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor | None
     post_norm: torch.Tensor
     post_eps: float
-    w_gate_up: torch.Tensor
+    w_gate_up_t: torch.Tensor
+    """[hidden, 2 ffn], contiguous: gate's columns, then up's."""
     b_gate_up: torch.Tensor | None
     w_down: torch.Tensor
     b_down: torch.Tensor | None
 
 
-def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weights of several projections of one input, stacked along the output axis (+ biases)."""
-    weight = torch.cat([m.weight.detach() for m in linears], dim=0)
+def _fused_t(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weights of several projections of one input side by side, transposed: [in, sum(out)]
+    contiguous (one copy), and their biases concatenated."""
+    weight = torch.cat([m.weight.detach().t() for m in linears], dim=1)
     if all(m.bias is None for m in linears):
         return weight, None
     biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
     return weight, torch.cat(biases)
+
+
+def _linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight_t [in, out] (+ bias): F.linear with the weight stored transposed."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -159,16 +169,16 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
 
 def _layer_weights(layer: nn.Module) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    wqkv, bqkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
-    w_gate_up, b_gate_up = _fused(mlp.gate_proj, mlp.up_proj)
+    wqkv_t, bqkv = _fused_t(attn.q_proj, attn.k_proj, attn.v_proj)
+    w_gate_up_t, b_gate_up = _fused_t(mlp.gate_proj, mlp.up_proj)
     return _LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         input_eps=float(layer.input_layernorm.variance_epsilon),
-        wqkv=wqkv, bqkv=bqkv,
+        wqkv_t=wqkv_t, bqkv=bqkv,
         wo=attn.o_proj.weight.detach(), bo=_bias(attn.o_proj),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-        w_gate_up=w_gate_up, b_gate_up=b_gate_up,
+        w_gate_up_t=w_gate_up_t, b_gate_up=b_gate_up,
         w_down=mlp.down_proj.weight.detach(), b_down=_bias(mlp.down_proj),
     )
 
@@ -301,7 +311,8 @@ class FastLlamaDecoder:
         none = self.embed.new_empty(0)  # the op's "no bias"
         tensors, eps = [], []
         for w in self.layers:
-            tensors += [w.input_norm, w.wqkv, w.bqkv, w.wo, w.bo, w.post_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down]
+            tensors += [w.input_norm, w.wqkv_t, w.bqkv, w.wo, w.bo, w.post_norm, w.w_gate_up_t, w.b_gate_up, w.w_down,
+                        w.b_down]
             eps += [w.input_eps, w.post_eps]
         return module.LlamaDecodeStep(
             self.embed.contiguous(), [none if t is None else t.contiguous() for t in tensors], eps,
@@ -321,7 +332,7 @@ class FastLlamaDecoder:
         A 2-D `mask` is the boolean key mask [B, cached + 1] of a decode step for the kernel.
         """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv)
+        qkv = _linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
         qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)  # queries and keys together
         keys, values = self.keys[layer], self.values[layer]
@@ -358,7 +369,7 @@ class FastLlamaDecoder:
         """_attention of a prefill through the fused layer ops (engine/fused_layers.py): RoPE (cos,
         sin [B, T, D]) writes the heads' layout, the attention kernel takes the boolean mask."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv, w.bqkv).view(batch, steps, -1)
+        qkv = _linear_t(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv).view(batch, steps, -1)
         cos, sin = rope
         q = fused_layers.rope(qkv.narrow(2, 0, heads * head_dim), cos, sin, heads)
         k = fused_layers.rope(qkv.narrow(2, heads * head_dim, kv_heads * head_dim), cos, sin, kv_heads)
@@ -376,9 +387,9 @@ class FastLlamaDecoder:
             ffn = w.w_down.shape[1]
             bias = (None, None) if w.b_gate_up is None else (w.b_gate_up[:ffn], w.b_gate_up[ffn:])
             # Gate and up as two products into their own tensors: the fused SwiGLU reads them whole.
-            gate, up = F.linear(h, w.w_gate_up[:ffn], bias[0]), F.linear(h, w.w_gate_up[ffn:], bias[1])
+            gate, up = _linear_t(h, w.w_gate_up_t[:, :ffn], bias[0]), _linear_t(h, w.w_gate_up_t[:, ffn:], bias[1])
             return F.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
-        gate, up = F.linear(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+        gate, up = _linear_t(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, w.w_down, w.b_down)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

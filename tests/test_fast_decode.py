@@ -265,7 +265,8 @@ def test_weights_are_read_from_the_model_not_copied_where_no_fusion_is_needed(mo
     assert decoder.lm_head.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
     layer, attn = decoder.layers[0], qwen.model.layers[0].self_attn
     assert layer.wo.data_ptr() == attn.o_proj.weight.data_ptr()
-    assert torch.equal(layer.wqkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(layer.wqkv_t, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t())
+    assert layer.wqkv_t.is_contiguous() and layer.w_gate_up_t.is_contiguous()
     assert torch.equal(layer.bqkv, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
 
 

@@ -2,7 +2,7 @@
 // decode step of a Llama-family model (Llama, Qwen2, Mistral) for float32 on the CPU.
 //
 // LlamaDecodeStep is built once per rollout over the weights engine/fast_decode.py gathers
-// (q/k/v and gate/up fused, optional biases), its RoPE tables and its preallocated KV cache;
+// (q/k/v and gate/up fused and transposed, optional biases), its RoPE tables and its preallocated KV cache;
 // step() then takes one token per sequence and returns the next-token logits. Per layer it
 // runs four matmuls through ATen (MKL: two of them add straight into the residual stream) and
 // three kernels of its own on torch's intra-op threads: RMSNorm, SiLU(gate) * up, and one
@@ -29,7 +29,10 @@
 namespace rlhf_decode {
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 10;  // input_norm, wqkv, bqkv, wo, bo, post_norm, w_gate_up, b_gate_up, w_down, b_down
+// input_norm, wqkv_t, bqkv, wo, bo, post_norm, w_gate_up_t, b_gate_up, w_down, b_down: the fused q/k/v and
+// gate/up weights come transposed ([hidden, out] row-major; at a decode step's few rows MKL multiplies that
+// layout without repacking it), the others as the model holds them ([out, in]).
+constexpr int64_t kTensorsPerLayer = 10;
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> isas{"scalar"};
@@ -128,24 +131,25 @@ class LlamaDecodeStep {
 
     const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim_, attn_width = heads * head_dim_;
     const at::Tensor& w_gate_up0 = layer_tensors[6];
-    TORCH_CHECK(w_gate_up0.dim() == 2 && w_gate_up0.size(0) % 2 == 0, "rlhf_cpu_decode: w_gate_up must be [2 * ffn, hidden]");
-    ffn_ = w_gate_up0.size(0) / 2;
+    TORCH_CHECK(w_gate_up0.dim() == 2 && w_gate_up0.size(1) % 2 == 0,
+                "rlhf_cpu_decode: w_gate_up_t must be [hidden, 2 * ffn]");
+    ffn_ = w_gate_up0.size(1) / 2;
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* t = layer_tensors.data() + kTensorsPerLayer * l;
       Layer layer;
       check_weight(t[0], "input_norm", {hidden_});
-      check_weight(t[1], "wqkv", {qkv_width, hidden_});
+      check_weight(t[1], "wqkv_t", {hidden_, qkv_width});
       check_weight(t[3], "wo", {hidden_, attn_width});
       check_weight(t[5], "post_norm", {hidden_});
-      check_weight(t[6], "w_gate_up", {2 * ffn_, hidden_});
+      check_weight(t[6], "w_gate_up_t", {hidden_, 2 * ffn_});
       check_weight(t[8], "w_down", {hidden_, ffn_});
       layer.input_norm = t[0];
-      layer.wqkv_t = t[1].t();
+      layer.wqkv_t = t[1];
       layer.bqkv = optional_bias(t[2], "bqkv", qkv_width);
       layer.wo_t = t[3].t();
       layer.bo = optional_bias(t[4], "bo", hidden_);
       layer.post_norm = t[5];
-      layer.w_gate_up_t = t[6].t();
+      layer.w_gate_up_t = t[6];
       layer.b_gate_up = optional_bias(t[7], "b_gate_up", 2 * ffn_);
       layer.w_down_t = t[8].t();
       layer.b_down = optional_bias(t[9], "b_down", hidden_);

@@ -181,8 +181,12 @@ def apply_fsdp(
     compile: bool = False,
     weights: ShardLoader | None = None,
     fused_layers: bool = True,
+    shard: bool = True,
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
+    `shard` False (a frozen model on one process, not offloaded: FSDP2 would only copy each
+    layer's weights into a gathered buffer on every forward) prepares the model the same way
+    (fused or compiled layers, device, sharded loading) and leaves its parameters plain.
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
     FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
     swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones. A model on the meta device is
@@ -208,15 +212,19 @@ def apply_fsdp(
     for layer in layers:
         if compile:
             compile_decoder_layer(layer)
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
+        if shard:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                        offload_policy=offload_policy)
+    if shard:
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload_policy)
     if deferred:
         assert weights is not None
         materialize_local_shards(model, torch.device("cpu") if offload else ctx.device, weights)
     log.info(
         "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s fused_modules=%d "
-        "world=%d sharded_loading=%s",
+        "world=%d sharded_loading=%s sharded=%s",
         plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, fused, ctx.world_size, deferred,
+        shard,
     )
     return model
 

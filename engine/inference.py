@@ -2,7 +2,7 @@
 
 They are FSDP2-sharded like the trained models, by `sharding_plan(zero_stage, trainable=False)`
 (which shards stage 0 like stage 3: see ShardingPlan), optionally offloaded to CPU, but have no
-optimizer; every call runs under no_grad in micro-batches. Their weights are held in the compute
+optimizer (on one process, not offloaded, they are left unsharded: a copy per forward for nothing); every call runs under no_grad in micro-batches. Their weights are held in the compute
 dtype (bf16/fp16 halve their memory against fp32): a frozen model has no master weights to keep
 precise, and FSDP2's mixed-precision policy casts every parameter to that dtype for each forward
 anyway, so the outputs are bit-for-bit those of an fp32 copy run in mixed precision.
@@ -53,8 +53,10 @@ class FrozenModel:
         dtype = resolve_dtype(dtype, ctx.device)
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
+        # On one process, unless offloaded, sharding saves nothing: the parameters stay plain.
+        shard = ctx.world_size > 1 or offload
         self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
-                              weights=weights, fused_layers=fused_layers), ctx, micro_batch_size, name)
+                              weights=weights, fused_layers=fused_layers, shard=shard), ctx, micro_batch_size, name)
 
     def _bind(self, model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str) -> None:
         """The fields every query reads: an already sharded model and how to batch its forwards."""

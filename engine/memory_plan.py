@@ -380,7 +380,9 @@ class TrainedModelMemory:
 @dataclass(frozen=True)
 class FrozenModelMemory:
     """Bytes per rank of a FrozenModel (reference, reward model): compute-dtype params, sharded
-    as ZeRO-3 for stage 0 (`sharding_plan(trainable=False)`), no grads, no optimizer."""
+    as ZeRO-3 for stage 0 (`sharding_plan(trainable=False)`), no grads, no optimizer. On one
+    process it is left unsharded (not offloaded; the plan does not model offload): nothing is
+    ever gathered."""
 
     shape: ModelShape
     zero_stage: int
@@ -394,7 +396,7 @@ class FrozenModelMemory:
     @property
     def gathered(self) -> int:
         """Gathered for good after the first forward: the whole model at ZeRO 1/2, else nothing."""
-        if self.zero_stage not in (1, 2):
+        if self.zero_stage not in (1, 2) or self.world_size == 1:
             return 0
         return self.compute_bytes * self.shape.params
 
@@ -402,7 +404,7 @@ class FrozenModelMemory:
     def forward_gathered(self) -> int:
         """Gathered during a forward at ZeRO-3: the root and one layer (plus the flat all-gather
         output on several ranks)."""
-        if self.zero_stage in (1, 2):
+        if self.zero_stage in (1, 2) or self.world_size == 1:
             return 0
         flat = self.shape.largest_layer if self.world_size > 1 else 0
         return self.compute_bytes * (self.shape.root_params + self.shape.largest_layer + flat)

@@ -162,12 +162,23 @@ def materialize_local_shards(model: nn.Module, device: torch.device, weights: Sh
 
     `to_empty` also replaces every buffer by an uninitialised one; the buffers are real already
     (non-persistent ones such as RoPE's inv_freq are in no checkpoint), so they are put back. Tied
-    parameters stay one: FSDP2 swaps each DTensor parameter's contents in place."""
+    parameters stay one (FSDP2 swaps each DTensor parameter's contents in place; an unsharded
+    model's are tied again)."""
     buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
                if buf is not None]
+    # An unsharded model's tied parameters (an LM head that is the embedding table) are untied by
+    # to_empty, which gives every module its own tensor: tie them again afterwards.
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
     model.to_empty(device=device)
     for module, name, buf in buffers:
         module._buffers[name] = buf
+    for (first, first_name), *others in places.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     weights.load_local_shards(model)
 
 

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -154,6 +155,10 @@ def run_ours(args: argparse.Namespace) -> dict:
     ])
     warmup = args.warmup if args.warmup is not None else (3 if args.compile else 2 if args.model else 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
+    # The run's outputs (models, critic, checkpoints; the value model built from a real policy)
+    # are gigabytes for a real model: removed once its metrics are read.
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / "reward", ignore_errors=True)
     phases = ("generation_s", "reward_s", "experience_s", "training_s")
     per_phase = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in phases}
     gflop = {k: statistics.mean(r[k] for r in rows)

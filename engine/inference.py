@@ -2,10 +2,12 @@
 
 They are FSDP2-sharded like the trained models, by `sharding_plan(zero_stage, trainable=False)`
 (which shards stage 0 like stage 3: see ShardingPlan), optionally offloaded to CPU, but have no
-optimizer (on one process, not offloaded, they are left unsharded: a copy per forward for nothing); every call runs under no_grad in micro-batches. Their weights are held in the compute
-dtype (bf16/fp16 halve their memory against fp32): a frozen model has no master weights to keep
-precise, and FSDP2's mixed-precision policy casts every parameter to that dtype for each forward
-anyway, so the outputs are bit-for-bit those of an fp32 copy run in mixed precision.
+optimizer; on one process, not offloaded, they are left unsharded (FSDP2 would only copy each
+layer's weights on every forward). Every call runs under no_grad in micro-batches. Their weights
+are held in the compute dtype (bf16/fp16 halve their memory against fp32): a frozen model has no
+master weights to keep precise, and FSDP2's mixed-precision policy casts every parameter to that
+dtype for each forward anyway, so the outputs are bit-for-bit those of an fp32 copy run in mixed
+precision.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def micro_batch_slices(n: int, size: int) -> list[slice]:
 
 
 class FrozenModel:
-    """A sharded, frozen model that answers batched log-prob or score queries; `compile` and
-    `fused_layers` run its decoder layers as a trained model's (`apply_fsdp`)."""
+    """A frozen model (sharded on several processes) that answers batched log-prob or score
+    queries; `compile` and `fused_layers` run its decoder layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
                  micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None,

@@ -345,7 +345,9 @@ def _fused_attention(module: ModuleType, isa: str, rand: Callable[..., torch.Ten
     for heads, kv_heads, mask in ((4, 2, None), (3, 3, padded[:, None].contiguous())):
         q = rand(batch, heads, seq, head_dim)
         k = rand(batch, kv_heads, seq, head_dim)
-        v = rand(batch, kv_heads, seq, head_dim) if mask is None else rand(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        # The masked case's values are a projection's [B, S, Hkv, D] seen transposed (strided).
+        v = (rand(batch, kv_heads, seq, head_dim) if mask is None
+             else rand(batch, seq, kv_heads, head_dim).transpose(1, 2))
         g = rand(batch, seq, heads, head_dim)
         out, stats = module.attention_forward(q, k, v, mask, head_dim**-0.5, isa)
         tracked = _tracked(q, k, v)

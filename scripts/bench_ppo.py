@@ -151,7 +151,9 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
-        *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
+        *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
+        "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
+        *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
     warmup = args.warmup if args.warmup is not None else (3 if args.compile else 2 if args.model else 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]

@@ -80,26 +80,30 @@ def test_kernels_match_references(op, isa_index: int) -> None:
         _close(op.rope_backward(g, angles.cos(), angles.sin(), isa), ref[1])
 
 
-@pytest.mark.parametrize("isa_index", [0, -1], ids=["scalar", "widest"])
-@pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masked", [
-    (4, 2, 21, 24, False),   # GQA, causal, widths off every vector width
-    (3, 3, 37, 32, True),    # left padding, a sequence longer than a score tile
-    (2, 1, 1, 8, False),     # one token
-    (6, 2, 70, 40, True),
+@pytest.mark.parametrize("isa_index", [0, 1, -1], ids=["scalar", "avx2", "widest"])
+@pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masking", [
+    (4, 2, 21, 24, "causal"),     # GQA, widths off every vector width
+    (3, 3, 37, 32, "holes"),      # left padding and random holes, longer than a score tile
+    (2, 1, 1, 8, "causal"),       # one token
+    (6, 2, 70, 40, "holes"),
+    (2, 2, 75, 16, "left_padded"),  # whole score tiles of padding before the first real key
 ])
 def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: int, seq: int, head_dim: int,
-                                      masked: bool) -> None:
+                                      masking: str) -> None:
     """Values and q/k/v gradients of every kernel set against torch's SDPA, causal or with a
-    boolean mask; with a mask, the rows of a query that sees no key are zeros with no gradient."""
-    isa = op.supported_isas()[isa_index]
+    boolean mask (rows that see one run of keys, or keys with holes); with a mask, the rows of a
+    query that sees no key are zeros with no gradient."""
+    isas = op.supported_isas()
+    isa = isas[min(isa_index, len(isas) - 1)] if isa_index >= 0 else isas[-1]
     gen = torch.Generator().manual_seed(seq)
     batch, scale = 2, head_dim**-0.5
     q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
     mask, seen = None, torch.ones(batch, seq, dtype=torch.bool)
-    if masked:
-        valid = torch.rand(batch, seq, generator=gen) > 0.3
-        valid[0, : seq // 3] = False  # left padding: the first queries of row 0 see nothing
+    if masking != "causal":
+        holes = masking == "holes"
+        valid = torch.rand(batch, seq, generator=gen) > 0.3 if holes else torch.ones(batch, seq, dtype=torch.bool)
+        valid[0, : seq // 3 if holes else 2 * seq // 3] = False  # left padding: row 0's first queries see nothing
         mask = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :])[:, None].contiguous()
         seen = mask[:, 0].any(-1)
     tracked = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -49,6 +49,12 @@ struct Avx2Vec : Avx2Float {
     const __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, _mm256_castsi256_ps(kept));
   }
+  // x with lanes ..n-1 set to -inf (0 <= n <= 8).
+  RLHF_AVX2_FN T keep_from(T x, int64_t n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i hidden = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-__builtin_inff()), _mm256_castsi256_ps(hidden));
+  }
   // x with the lanes whose byte of m is 0 set to -inf (m: 8 readable bytes).
   RLHF_AVX2_FN T keep_where(T x, const uint8_t* m) {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));

@@ -32,6 +32,10 @@ struct Avx512Vec {
   RLHF_AVX512_FN T keep_first(T x, int64_t n) {
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), static_cast<__mmask16>((1u << n) - 1u), x);
   }
+  // x with lanes ..n-1 set to -inf (0 <= n <= 16).
+  RLHF_AVX512_FN T keep_from(T x, int64_t n) {
+    return _mm512_mask_mov_ps(x, static_cast<__mmask16>((1u << n) - 1u), _mm512_set1_ps(-__builtin_inff()));
+  }
   // x with the lanes whose byte of m is 0 set to -inf (m: 16 readable bytes).
   RLHF_AVX512_FN T keep_where(T x, const uint8_t* m) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));

@@ -30,6 +30,7 @@ struct ScalarVec {
   }
   static inline T exp(T a) { return std::exp(a); }
   static inline T keep_first(T x, int64_t n) { return n > 0 ? x : -INFINITY; }
+  static inline T keep_from(T x, int64_t n) { return n > 0 ? -INFINITY : x; }
   static inline T keep_where(T x, const uint8_t* m) { return *m != 0 ? x : -INFINITY; }
   static inline void transpose_tile(const float* src, int64_t, float* dst, int64_t) { *dst = *src; }
 };

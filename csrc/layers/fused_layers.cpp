@@ -19,6 +19,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -185,10 +186,49 @@ at::Tensor rope_backward(const at::Tensor& gout, const at::Tensor& cos, const at
   return gx;
 }
 
+// 8 mask bytes as one word (bool bytes are 0 or 1).
+inline uint64_t mask_word(const uint8_t* m) {
+  uint64_t w;
+  std::memcpy(&w, m, sizeof(w));
+  return w;
+}
+
+// The span of keys one mask row sees (see MaskRowSpan), scanning 8 bytes at a time.
+MaskRowSpan mask_row_span(const uint8_t* m, int64_t keys) {
+  int64_t end = keys, start = 0;
+  while (end >= 8 && mask_word(m + end - 8) == 0) end -= 8;
+  while (end > 0 && m[end - 1] == 0) --end;
+  while (start + 8 <= end && mask_word(m + start) == 0) start += 8;
+  while (start < end && m[start] == 0) ++start;
+  constexpr uint64_t kOnes = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+  bool contiguous = true;
+  int64_t j = start;
+  for (; contiguous && j + 8 <= end; j += 8) {
+    const uint64_t w = mask_word(m + j);
+    contiguous = ((w - kOnes) & ~w & kHighs) == 0;  // no zero byte among the 8
+  }
+  for (; contiguous && j < end; ++j) contiguous = m[j] != 0;
+  return {static_cast<int32_t>(start), static_cast<int32_t>(end), contiguous ? 1 : 0, 0};
+}
+
+// Every row's span of a bool mask [mask batch, 1, seq, keys], as int32 [mask batch * seq, 4].
+at::Tensor mask_row_spans(const at::Tensor& mask) {
+  const int64_t rows = mask.size(0) * mask.size(2), keys = mask.size(3);
+  at::Tensor spans = at::empty({rows, 4}, mask.options().dtype(at::kInt));
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask.data_ptr());
+  auto* out = reinterpret_cast<MaskRowSpan*>(spans.data_ptr<int32_t>());
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(keys, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) out[r] = mask_row_span(m + r * keys, keys);
+  });
+  return spans;
+}
+
 // q [batch, heads, seq, head_dim], k/v [batch, kv_heads, keys, head_dim]; mask: undefined
-// (causal, keys == seq) or bool [batch or 1, 1, seq, keys].
+// (causal, keys == seq) or bool [batch or 1, 1, seq, keys], whose row spans go to `spans` (kept
+// alive by the caller while the kernels run).
 AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                             double scale) {
+                             double scale, at::Tensor& spans) {
   check_float_cpu(q, "query");
   check_float_cpu(k, "key");
   TORCH_CHECK(v.defined() && v.device().is_cpu() && v.scalar_type() == at::kFloat && v.dim() == 4 && v.stride(3) == 1,
@@ -208,11 +248,14 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
                 ", ", keys, "], got ", mask.sizes(), " ", mask.scalar_type());
     mask_ptr = reinterpret_cast<const uint8_t*>(mask.data_ptr());
     mask_stride = mask.size(0) == 1 ? 0 : seq * keys;
+    TORCH_CHECK(keys < (int64_t{1} << 31), "rlhf_fused_layers: attention over 2^31 keys or more");
+    spans = mask_row_spans(mask);
   } else {
     TORCH_CHECK(keys == seq, "rlhf_fused_layers: causal attention (no mask) needs as many keys as queries, got ", keys,
                 " and ", seq);
   }
-  AttentionArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride,
+  const auto* span_ptr = spans.defined() ? reinterpret_cast<const MaskRowSpan*>(spans.data_ptr<int32_t>()) : nullptr;
+  AttentionArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride, span_ptr,
                   batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale), {}, {}};
   for (int i = 0; i < 3; ++i) a.v_stride[i] = a.gv_stride[i] = v.stride(i);
   return a;
@@ -222,7 +265,8 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::optional<at::Tensor>& mask, double scale,
                                                      const std::string& isa) {
-  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
+  at::Tensor spans;
+  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
   const LayerKernels& kernels = resolve_isa(isa);
   at::Tensor out = at::empty({a.batch, a.seq, a.heads, a.head_dim}, q.options());
   at::Tensor stats = at::empty({a.batch, a.heads, a.seq, 2}, q.options());
@@ -236,7 +280,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& stats, double scale,
     const std::string& isa) {
-  AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale);
+  at::Tensor spans;
+  AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
   check_float_cpu(grad, "grad");
   check_float_cpu(out, "out");
   check_float_cpu(stats, "stats");

@@ -20,6 +20,15 @@ struct RopeArgs {
   int64_t seq, heads, head_dim;
 };
 
+// The keys one mask row (a query of one mask batch row) sees: [start, end), every one of them
+// when `contiguous` (causal, left padding: the kernels then read none of its bytes), else those
+// of its mask bytes that are nonzero. end 0: it sees none.
+struct MaskRowSpan {
+  int32_t start, end;
+  int32_t contiguous;
+  int32_t unused;
+};
+
 // Attention of one (batch row, KV head) task: its query heads over its keys, in the layouts
 // q [batch, heads, seq, head_dim], k [batch, kv_heads, keys, head_dim] (contiguous) and v of k's
 // shape with any strides but a contiguous last dim (a value projection's [batch, keys, kv_heads,
@@ -32,6 +41,7 @@ struct AttentionArgs {
   const float* v;
   const uint8_t* mask;        // null: causal
   int64_t mask_batch_stride;  // 0 when one mask serves the whole batch
+  const MaskRowSpan* mask_rows;  // with a mask: its rows' spans, [mask batch][seq]
   int64_t batch, heads, kv_heads, seq, keys, head_dim;
   float scale;
   int64_t v_stride[3];        // v's strides (floats) over batch, kv head, key

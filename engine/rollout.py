@@ -222,6 +222,9 @@ class Rollout:
     engine: TrainEngine
     tolerance: float
     parity_sequences: int = 2
+    parity_tokens: int = 16
+    """Generated tokens of each checked sequence that the check scores (its train-mode forward
+    runs over the prompt and these only: causal, so their log-probs are the full sequence's)."""
     parity_max_diff: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -238,16 +241,18 @@ class Rollout:
 
     @torch.no_grad()
     def check_parity(self, out: GenerationOutput) -> float:
-        """Max |log-prob difference| between train and rollout mode over a few generated tokens.
+        """Max |log-prob difference| between train and rollout mode over a few generated tokens
+        (the first `parity_tokens` of the first `parity_sequences` rows).
         In fp32 the rollout side is generation's own log-probs (the decode path that sampled them,
         KV cache included; one forward fewer); in 16-bit, where decoding rounds differently from a
         full forward, a rollout-mode forward like the train-mode one."""
         n = min(self.parity_sequences, out.sequences.shape[0])
-        seqs, mask = out.sequences[:n], out.attention_mask[:n]
-        actions = out.action_mask[:n, 1:]
+        width = out.prompt_length + self.parity_tokens
+        seqs, mask = out.sequences[:n, :width], out.attention_mask[:n, :width]
+        actions = out.action_mask[:n, 1:width]
         train_lp = sequence_logprobs(self.engine.model, seqs, mask)
         if out.logprobs is not None and self.engine.dtype == "fp32":  # column t + 1's token is position t's
-            rollout_lp = out.logprobs[:n, 1:]
+            rollout_lp = out.logprobs[:n, 1:width]
         else:
             rollout_lp = sequence_logprobs(self.model, seqs, mask)
         diff = (train_lp.float() - rollout_lp.float()).abs()

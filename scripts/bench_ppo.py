@@ -177,9 +177,13 @@ def run_ours(args: argparse.Namespace) -> dict:
     }
 
 
-def gemm_seconds(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5) -> tuple[float, int]:
+def gemm_seconds(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5,
+                 min_seconds: float = 0.25) -> tuple[float, int]:
     """(best seconds, FLOPs) of one layer's linears plus the LM head on m rows, as nn.Linear runs
-    them (x @ W^T); with backward also the input and weight gradients (dY @ W, dY^T @ X)."""
+    them (x @ W^T); with backward also the input and weight gradients (dY @ W, dY^T @ X). Best of
+    at least `repeats` runs and of `min_seconds`: a decode step's few rows take well under a
+    millisecond, and a best of a handful of those would be one scheduling hiccup from a rate
+    too low (a fraction too high)."""
     gemms = []
     for d_in, d_out in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]:
         x, w, dy = torch.randn(m, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype), torch.randn(m, d_out, dtype=dtype)
@@ -187,12 +191,12 @@ def gemm_seconds(shape: object, m: int, backward: bool, dtype: torch.dtype, repe
         if backward:
             gemms += [lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
     flops = sum(2 * m * a * b for a, b in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]) * (3 if backward else 1)
-    best = float("inf")
-    for _ in range(repeats + 1):
+    best, runs, began = float("inf"), 0, time.perf_counter()
+    while runs <= repeats or time.perf_counter() - began < min_seconds:  # the first run warms up
         start = time.perf_counter()
         for gemm in gemms:
             gemm()
-        best = min(best, time.perf_counter() - start)
+        best, runs = min(best, time.perf_counter() - start), runs + 1
     return best, flops
 
 

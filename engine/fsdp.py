@@ -131,6 +131,18 @@ def sharding_plan(zero_stage: int, trainable: bool = True) -> ShardingPlan:
     )
 
 
+def wraps_in_fsdp(world_size: int, offload: bool, dtype: str, trainable: bool) -> bool:
+    """Whether FSDP2 has anything to do for a model: shard it over several processes, offload it,
+    or (trained) keep fp32 master weights under 16-bit compute. Otherwise (one process, on the
+    device, and for a trained model fp32) it would only copy each layer's weights into its
+    all-gather buffer on every forward and each gradient through its reduce-scatter buffer on
+    every backward (SmolLM2-135M on a CPU: 19% of PPO's training phase); the model's parameters
+    then stay plain tensors, with the same values, gradients and optimizer steps."""
+    if world_size > 1 or offload:
+        return True
+    return trainable and dtype != "fp32"
+
+
 class ShardLoader(Protocol):
     """What fills a model built on the meta device once it is sharded (the app's safetensors reader,
     rlhf/models/sharded_loading.py): the engine allocates this rank's shards, the loader writes them."""
@@ -195,9 +207,8 @@ def apply_fsdp(
     shard: bool = True,
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
-    `shard` False (a frozen model on one process, not offloaded: FSDP2 would only copy each
-    layer's weights into a gathered buffer on every forward) prepares the model the same way
-    (fused or compiled layers, device, sharded loading) and leaves its parameters plain.
+    `shard` False (`wraps_in_fsdp` finds nothing for FSDP2 to do) prepares the model the same
+    way (fused or compiled layers, device, sharded loading) and leaves its parameters plain.
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
     FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
     swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones. A model on the meta device is

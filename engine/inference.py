@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dtype, sharding_plan
+from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches
@@ -55,8 +55,7 @@ class FrozenModel:
         dtype = resolve_dtype(dtype, ctx.device)
         for param in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
-        # On one process, unless offloaded, sharding saves nothing: the parameters stay plain.
-        shard = ctx.world_size > 1 or offload
+        shard = wraps_in_fsdp(ctx.world_size, offload, dtype, trainable=False)
         self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
                               weights=weights, fused_layers=fused_layers, shard=shard), ctx, micro_batch_size, name)
 

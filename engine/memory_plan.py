@@ -308,6 +308,12 @@ class TrainedModelMemory:
         """Ranks a param is sharded over: the world, or 1 for ZeRO-0 (replicated)."""
         return 1 if self.zero_stage == 0 else self.world_size
 
+    @property
+    def plain(self) -> bool:
+        """One process in fp32: the engine leaves the model plain (`fsdp.wraps_in_fsdp`), so
+        nothing is ever gathered and gradients accumulate in place."""
+        return self.world_size == 1 and self.compute_bytes == FP32
+
     def _numel(self, shapes: tuple[Shape, ...]) -> int:
         return sharded_numel(shapes, self.shard_world)
 
@@ -336,7 +342,7 @@ class TrainedModelMemory:
     @property
     def root_grad(self) -> int:
         """The root's unsharded gradients (compute dtype), from the head's backward to the last unit's."""
-        return self.compute_bytes * self.shape.root_trainable_params
+        return 0 if self.plain else self.compute_bytes * self.shape.root_trainable_params
 
     @property
     def merged_weights(self) -> int:
@@ -345,7 +351,7 @@ class TrainedModelMemory:
 
     @property
     def gathered_root(self) -> int:
-        return self.compute_bytes * self.shape.root_params
+        return 0 if self.plain else self.compute_bytes * self.shape.root_params
 
     @property
     def keeps_gathered(self) -> bool:
@@ -356,6 +362,8 @@ class TrainedModelMemory:
         """Decoder layers gathered while one layer computes: that layer (plus the flat all-gather
         output on several ranks) at ZeRO-3, every layer otherwise."""
         c, largest = self.compute_bytes, self.shape.largest_layer
+        if self.plain:
+            return 0
         if self.keeps_gathered:
             return c * sum(self.shape.layer_params)
         flat = largest if self.world_size > 1 else 0  # all-gather output before the copy-out

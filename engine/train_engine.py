@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan
+from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
 from rlhf.engine.config import EngineConfig
@@ -126,7 +126,8 @@ class StepResult:
 
 
 class TrainEngine:
-    """One model in train mode: FSDP2-wrapped, with AdamW, LR schedule, accumulation, clipping."""
+    """One model in train mode: FSDP2-wrapped (plain on one process in fp32: `wraps_in_fsdp`), with
+    AdamW, LR schedule, accumulation, clipping."""
 
     def __init__(
         self, model: nn.Module, config: EngineConfig, ctx: DistributedContext, total_steps: int,
@@ -144,7 +145,8 @@ class TrainEngine:
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
         self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
-                                config.compile, weights, config.fused_layers)
+                                config.compile, weights, config.fused_layers,
+                                shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True))
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
         # name shared so that every rank raises alike.
         local_bad = first_non_finite(self.model.named_parameters())

@@ -15,6 +15,7 @@ import torch
 
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fsdp import local_shard
 from rlhf.engine.rollout import RolloutParityError, rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
@@ -33,7 +34,7 @@ def main() -> None:
     model = load_causal_lm(args.model)
     config = EngineConfig(zero_stage=args.zero_stage, dtype="fp32", micro_batch_size=1, optimizer_impl="torch")
     engine = TrainEngine(model, config, ctx, total_steps=1)
-    before = {n: p.to_local().clone() for n, p in engine.model.named_parameters()}
+    before = {n: local_shard(p)[0].clone() for n, p in engine.model.named_parameters()}
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 100, (4, 6), generator=g)
@@ -49,7 +50,7 @@ def main() -> None:
     # The skeleton is kept, its parameter storage freed once rollout mode exits.
     released = all((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() == 0
                    for p in inference.parameters())
-    unchanged = all(torch.equal(before[n], p.to_local()) for n, p in engine.model.named_parameters())
+    unchanged = all(torch.equal(before[n], local_shard(p)[0]) for n, p in engine.model.named_parameters())
 
     caught = False
     with rollout_mode(engine, tp_size=args.tp) as rollout:

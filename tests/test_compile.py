@@ -74,9 +74,12 @@ def one_step(engine: TrainEngine, ids: torch.Tensor, mask: torch.Tensor) -> tupl
     labels = ids.masked_fill(mask == 0, -100)
     loss = engine.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     engine.backward(loss)
-    grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
+    def whole(t: torch.Tensor) -> torch.Tensor:  # plain on one process in fp32 (wraps_in_fsdp)
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    grads = {n: whole(p.grad).clone() for n, p in engine.model.named_parameters()}
     engine.step()
-    params = {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
+    params = {n: whole(p).detach().clone() for n, p in engine.model.named_parameters()}
     return float(loss.detach()), grads, params
 
 

@@ -18,6 +18,7 @@ from rlhf.cli import main
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.export import export_state_dict
+from rlhf.engine.fsdp import local_shard
 from rlhf.engine.train_engine import NonFiniteTrainingError, TrainEngine
 from rlhf.errors import UserError
 from rlhf.models.loading import load_causal_lm
@@ -72,7 +73,7 @@ def one_step(engine: TrainEngine, poison: float | None = None):
 
 
 def params(engine: TrainEngine) -> list[torch.Tensor]:
-    return [p.to_local().detach().clone() for p in engine.model.parameters()]
+    return [local_shard(p)[0].detach().clone() for p in engine.model.parameters()]
 
 
 @pytest.mark.parametrize("poison", [NAN, float("inf")])

@@ -302,6 +302,7 @@ class TrainedModelMemory:
     compute_bytes: int
     world_size: int
     fused_adam: bool = True
+    offload: bool = False
 
     @property
     def shard_world(self) -> int:
@@ -310,9 +311,9 @@ class TrainedModelMemory:
 
     @property
     def plain(self) -> bool:
-        """One process in fp32: the engine leaves the model plain (`fsdp.wraps_in_fsdp`), so
-        nothing is ever gathered and gradients accumulate in place."""
-        return self.world_size == 1 and self.compute_bytes == FP32
+        """One process in fp32, not offloaded: the engine leaves the model plain
+        (`fsdp.wraps_in_fsdp`), so nothing is ever gathered and gradients accumulate in place."""
+        return self.world_size == 1 and self.compute_bytes == FP32 and not self.offload
 
     def _numel(self, shapes: tuple[Shape, ...]) -> int:
         return sharded_numel(shapes, self.shard_world)

@@ -159,6 +159,8 @@ class Setting:
     """Components held in host memory on a GPU (offload); on the CPU everything is one memory."""
     fused_layers: bool = False
     """Llama-family layers run the fused layer ops: --fused-layers without --compile, float32 on a CPU."""
+    offload: bool = False
+    """--offload: the trained models stay in FSDP2 (CPUOffloadPolicy) even on one process."""
 
     @property
     def runtime(self) -> int:
@@ -181,12 +183,12 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
         host.add("reward params")
     fused_layers = config.engine.fused_layers and not config.engine.compile and device == "cpu" and dtype == "fp32"
     return Setting(dtype, COMPUTE_BYTES[dtype], world, device, config.engine.optimizer_impl != "torch",
-                   frozenset(host), fused_layers)
+                   frozenset(host), fused_layers, config.engine.offload)
 
 
 def trained(shape: ModelShape, zero: int, s: Setting) -> TrainedModelMemory:
     """The memory terms of a model a TrainEngine trains in setting `s`."""
-    return TrainedModelMemory(shape, zero, s.compute, s.world, s.fused_adam)
+    return TrainedModelMemory(shape, zero, s.compute, s.world, s.fused_adam, s.offload)
 
 
 # ------------------------------------------------------------------ heads

@@ -157,6 +157,20 @@ def test_shapes_count_the_real_parameters(family: str) -> None:
     assert model_shape(config).layers == 3
 
 
+def test_a_plain_trained_model_gathers_nothing() -> None:
+    """One process in fp32 without offload: the engine leaves the model plain (no FSDP2), so the
+    plan gathers nothing for it; 16-bit compute, offload or a second rank bring FSDP2's gathered
+    copies back."""
+    from rlhf.engine.memory_plan import TrainedModelMemory
+
+    shape = model_shape(tiny_config("llama", vocab_size=100, hidden_size=32, num_layers=3))
+    plain = TrainedModelMemory(shape, zero_stage=3, compute_bytes=4, world_size=1)
+    assert plain.plain and plain.gathered_in_forward() == plain.root_grad == 0
+    for wrapped in (TrainedModelMemory(shape, 3, 2, 1), TrainedModelMemory(shape, 3, 4, 1, offload=True),
+                    TrainedModelMemory(shape, 3, 4, 2)):
+        assert not wrapped.plain and wrapped.gathered_in_forward() > 0 and wrapped.root_grad > 0
+
+
 # ------------------------------------------------------------------ the command
 
 

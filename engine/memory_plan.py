@@ -40,6 +40,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.engine.flops import Head, first_config_value
+from rlhf.engine.fsdp import wraps_in_fsdp
 from rlhf.engine.fused_layers import FUSED_LAYER_FAMILIES
 from rlhf.engine.layers import decoder_layers
 
@@ -313,7 +314,8 @@ class TrainedModelMemory:
     def plain(self) -> bool:
         """One process in fp32, not offloaded: the engine leaves the model plain
         (`fsdp.wraps_in_fsdp`), so nothing is ever gathered and gradients accumulate in place."""
-        return self.world_size == 1 and self.compute_bytes == FP32 and not self.offload
+        dtype = "fp32" if self.compute_bytes == FP32 else "16-bit"  # all the rule asks of the dtype
+        return not wraps_in_fsdp(self.world_size, self.offload, dtype, trainable=True)
 
     def _numel(self, shapes: tuple[Shape, ...]) -> int:
         return sharded_numel(shapes, self.shard_world)
@@ -403,20 +405,24 @@ class FrozenModelMemory:
         return self.compute_bytes * sharded_numel(self.shape.all_shapes, self.world_size)
 
     @property
+    def plain(self) -> bool:
+        """Left unsharded (`fsdp.wraps_in_fsdp`; the plan does not model a frozen model's offload)."""
+        return not wraps_in_fsdp(self.world_size, offload=False, dtype="fp32", trainable=False)
+
+    @property
     def gathered(self) -> int:
         """Gathered for good after the first forward: the whole model at ZeRO 1/2, else nothing."""
-        if self.zero_stage not in (1, 2) or self.world_size == 1:
+        if self.zero_stage not in (1, 2) or self.plain:
             return 0
         return self.compute_bytes * self.shape.params
 
     @property
     def forward_gathered(self) -> int:
-        """Gathered during a forward at ZeRO-3: the root and one layer (plus the flat all-gather
-        output on several ranks)."""
-        if self.zero_stage in (1, 2) or self.world_size == 1:
+        """Gathered during a forward at ZeRO-3 (sharded: several ranks): the root and one layer,
+        plus the flat all-gather output."""
+        if self.zero_stage in (1, 2) or self.plain:
             return 0
-        flat = self.shape.largest_layer if self.world_size > 1 else 0
-        return self.compute_bytes * (self.shape.root_params + self.shape.largest_layer + flat)
+        return self.compute_bytes * (self.shape.root_params + 2 * self.shape.largest_layer)
 
 
 def inference_copy_bytes(shape: ModelShape, compute_bytes: int, tp_size: int = 1) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
@@ -45,7 +46,7 @@ from transformers import PretrainedConfig
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, kv_cache_bytes
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.sampling import SamplingParams, sample_next_token
+from rlhf.engine.sampling import SamplingParams, sample_next_token, sampler_path
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
@@ -339,6 +340,56 @@ def generate(
     return _decode(runner, logits, input_ids, attention_mask, prompt_positions, params, generator)
 
 
+@dataclass
+class _Transcript:
+    """What the generation loop writes, allocated once: the output and the loop's state."""
+
+    sequences: torch.Tensor
+    """[B, prompt + max_new] prompts, then the sampled tokens (pad once a row has finished)."""
+    action_mask: torch.Tensor
+    """[B, prompt + max_new] True at the tokens sampled before the row finished."""
+    token_logprobs: torch.Tensor
+    """[B, prompt + max_new] each sampled token's log-prob under the raw logits (0 elsewhere)."""
+    finished: torch.Tensor
+    """[B] the row has emitted an EOS."""
+    eos_ids: torch.Tensor
+
+
+def _record_python(t: _Transcript, logits: torch.Tensor, uniform: torch.Tensor | None, rows: torch.Tensor | None,
+                   col: int, suppress_eos: bool, params: SamplingParams, generator: torch.Generator | None) -> None:
+    """Sample the decoded rows' tokens from `logits` and write column `col` of the transcript:
+    the reference of the fused `sample_record` op (cpu_decode.cpp)."""
+    batch, device = t.finished.shape[0], t.finished.device
+    raw_logits = logits
+    if suppress_eos:
+        logits = logits.index_fill(-1, t.eos_ids, float("-inf"))
+    decoded = sample_next_token(logits, params, generator,
+                                uniform if uniform is None or rows is None else uniform[rows])
+    logprobs = sampled_logprobs(raw_logits, decoded)
+    if rows is not None:
+        decoded = torch.full((batch,), params.pad_token_id, dtype=decoded.dtype, device=device).index_copy(
+            0, rows, decoded)
+        logprobs = torch.zeros(batch, dtype=logprobs.dtype, device=device).index_copy(0, rows, logprobs)
+    token = torch.where(t.finished, params.pad_token_id, decoded)
+    t.sequences[:, col] = token
+    t.action_mask[:, col] = ~t.finished
+    t.token_logprobs[:, col] = torch.where(t.finished, 0.0, logprobs)
+    if t.eos_ids.numel():
+        # A broadcast compare rather than torch.isin, whose large-set path sorts.
+        t.finished |= (token[:, None] == t.eos_ids).any(dim=-1)
+
+
+def _fused_recorder(logits: torch.Tensor, params: SamplingParams) -> Callable[..., torch.Tensor] | None:
+    """The csrc op that samples and records a step in one call (`rlhf_cpu_decode.sample_record`),
+    where the CPU sampler path applies (float32 CPU logits, plain temperature sampling)."""
+    if sampler_path(logits, params) != "cpu_kernel":
+        return None
+    from rlhf.engine.cpu_decode import load_cpu_decode_op
+
+    op = load_cpu_decode_op()
+    return None if op is None else op.sample_record
+
+
 def _decode(
     runner: StepRunner, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_positions: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -346,51 +397,40 @@ def _decode(
     """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows."""
     batch, prompt_len = input_ids.shape
     max_new = params.max_new_tokens
-    total_len = prompt_len + max_new
     device = input_ids.device
-
-    # Everything the loop writes is allocated here, once.
-    sequences = torch.full((batch, total_len), params.pad_token_id, dtype=torch.long, device=device)
+    sequences = torch.full((batch, prompt_len + max_new), params.pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_len] = input_ids
-    action_mask = torch.zeros((batch, total_len), dtype=torch.bool, device=device)
+    t = _Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
+                    torch.zeros_like(sequences, dtype=torch.float32), torch.zeros(batch, dtype=torch.bool, device=device),
+                    torch.tensor(params.eos_token_ids, dtype=torch.long, device=device))
     # The mask the model sees: prompt padding, then every generated slot visible (what a finished
     # row attends to no longer matters, its tokens are forced to pad).
-    model_mask = torch.ones((batch, total_len), dtype=attention_mask.dtype, device=device)
+    model_mask = torch.ones_like(sequences, dtype=attention_mask.dtype)
     model_mask[:, :prompt_len] = attention_mask
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
-    eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    token_logprobs = torch.zeros((batch, total_len), dtype=torch.float32, device=device)
+    fused = _fused_recorder(logits, params)
+    no_rows = torch.empty(0, dtype=torch.long)
 
     steps_run = max_new
     rows: torch.Tensor | None = None  # the rows the runner still decodes (None: all of them)
     for step in range(max_new):
         col = prompt_len + step
-        raw_logits = logits
-        if step < params.min_new_tokens and eos_ids.numel():
-            logits = logits.index_fill(-1, eos_ids, float("-inf"))
+        suppress_eos = step < params.min_new_tokens and t.eos_ids.numel() > 0
         # One uniform per row of the whole batch, as the samplers draw them, so that dropping
         # finished rows leaves every other row's tokens as they would have been.
         uniform = (torch.rand(batch, device=device, dtype=torch.float32, generator=generator)
                    if params.do_sample else None)
-        decoded = sample_next_token(logits, params, generator,
-                                    uniform if uniform is None or rows is None else uniform[rows])
-        logprobs = sampled_logprobs(raw_logits, decoded)
-        if rows is not None:
-            decoded = torch.full((batch,), params.pad_token_id, dtype=decoded.dtype, device=device).index_copy(
-                0, rows, decoded)
-            logprobs = torch.zeros(batch, dtype=logprobs.dtype, device=device).index_copy(0, rows, logprobs)
-        token = torch.where(finished, params.pad_token_id, decoded)
-        sequences[:, col] = token
-        action_mask[:, col] = ~finished
-        token_logprobs[:, col] = torch.where(finished, 0.0, logprobs)
-        if eos_ids.numel():
-            # A broadcast compare rather than torch.isin, whose large-set path sorts.
-            finished |= (token[:, None] == eos_ids).any(dim=-1)
+        if fused is not None:
+            tokens = fused(logits.contiguous(), uniform, no_rows if rows is None else rows, params.temperature,
+                           t.eos_ids, suppress_eos, params.pad_token_id, col, t.sequences, t.action_mask,
+                           t.token_logprobs, t.finished)
+        else:
+            _record_python(t, logits, uniform, rows, col, suppress_eos, params, generator)
+            tokens = t.sequences[slice(None) if rows is None else rows, col : col + 1]
         if step == max_new - 1:
             break
         if params.sync_every and (step + 1) % params.sync_every == 0:
-            done = finished if rows is None else finished[rows]
+            done = t.finished if rows is None else t.finished[rows]
             n_done = int(done.sum())  # the loop's one host sync
             if n_done == done.numel():
                 steps_run = step + 1
@@ -399,18 +439,10 @@ def _decode(
                 keep = (~done).nonzero().squeeze(1)
                 runner.expand(keep)
                 rows = keep if rows is None else rows[keep]
+                tokens = tokens[keep]
         index = slice(None) if rows is None else rows
-        logits = runner.decode(
-            sequences[index, col : col + 1], model_mask[index, : col + 1], step_positions[index, step : step + 1]
-        )
+        logits = runner.decode(tokens, model_mask[index, : col + 1], step_positions[index, step : step + 1])
     log.debug("generated %d of %d steps for %d sequences (%s)", steps_run, max_new, batch, type(runner).__name__)
-
-    out_mask = torch.cat([attention_mask, action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
-    return GenerationOutput(
-        sequences=sequences,
-        attention_mask=out_mask,
-        action_mask=action_mask,
-        prompt_length=prompt_len,
-        finished=finished,
-        logprobs=token_logprobs,
-    )
+    out_mask = torch.cat([attention_mask, t.action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
+    return GenerationOutput(sequences=t.sequences, attention_mask=out_mask, action_mask=t.action_mask,
+                            prompt_length=prompt_len, finished=t.finished, logprobs=t.token_logprobs)

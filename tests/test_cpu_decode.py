@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine.cpu_decode import load_cpu_decode_op
 from rlhf.engine.fast_decode import FastLlamaDecoder
+from rlhf.engine import generation
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
 from rlhf.models.tiny import tiny_config
@@ -184,3 +185,63 @@ def test_sample_next_token_takes_the_fused_sampler_without_top_k_or_top_p(op, mo
     sample_next_token(logits, SamplingParams(max_new_tokens=1, pad_token_id=0, top_k=5), torch.Generator())
     sample_next_token(logits.double(), plain, torch.Generator())
     assert calls == [1, 1]  # top-k, and float64 logits, take the torch path
+
+
+def _transcript(batch: int, width: int, eos: list[int], gen: torch.Generator) -> generation._Transcript:
+    sequences = torch.randint(1, VOCAB, (batch, width), generator=gen)
+    finished = torch.rand(batch, generator=gen) < 0.3
+    return generation._Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
+                                  torch.zeros_like(sequences, dtype=torch.float32), finished, torch.tensor(eos))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("suppress_eos", [False, True])
+@pytest.mark.parametrize("subset", [False, True])
+def test_fused_step_record_matches_the_python_loop_body(op, temperature: float, suppress_eos: bool,
+                                                        subset: bool) -> None:
+    """sample_record is generation._record_python in one call: same tokens (the same sampler kernel),
+    same bookkeeping of finished rows, EOS and pads; log-probs to the last bit of a sum's order."""
+    gen = torch.Generator().manual_seed(11)
+    batch, col, eos = 64, 5, [3, 9]
+    params = SamplingParams(max_new_tokens=1, pad_token_id=0, eos_token_id=eos, temperature=temperature)
+    for isa in op.supported_isas():
+        want = _transcript(batch, 8, eos, gen)
+        got = generation._Transcript(*(t.clone() for t in (want.sequences, want.action_mask, want.token_logprobs,
+                                                            want.finished, want.eos_ids)))
+        # Decoded rows: all of them, or the unfinished ones and a few finished (not yet dropped).
+        rows = (~want.finished | (torch.arange(batch) % 5 == 0)).nonzero().squeeze(1) if subset else None
+        logits = 2 * torch.randn(batch if rows is None else rows.numel(), VOCAB, generator=gen)
+        logits[:, eos] += 4.0  # EOS likely, so rows finish
+        uniform = torch.rand(batch, generator=gen)
+        generation._record_python(want, logits, uniform, rows, col, suppress_eos, params, None)
+        tokens = op.sample_record(logits, uniform, torch.empty(0, dtype=torch.long) if rows is None else rows,
+                                  temperature, got.eos_ids, suppress_eos, 0, col, got.sequences, got.action_mask,
+                                  got.token_logprobs, got.finished, isa)
+        assert torch.equal(got.sequences, want.sequences), isa
+        assert torch.equal(got.action_mask, want.action_mask) and torch.equal(got.finished, want.finished)
+        torch.testing.assert_close(got.token_logprobs, want.token_logprobs, atol=2e-6, rtol=1e-6)
+        picked = want.sequences[:, col] if rows is None else want.sequences[rows, col]
+        assert torch.equal(tokens, picked[:, None])
+        assert bool(want.finished.any()) and bool((want.sequences[:, col] == 0).any())
+        drew_eos = bool(torch.isin(want.sequences[want.action_mask[:, col], col], torch.tensor(eos)).any())
+        assert drew_eos != suppress_eos  # EOS is likely, unless suppressed
+
+
+def test_generate_records_steps_in_the_fused_op_and_matches_the_python_body(op, monkeypatch) -> None:
+    """With EOS, min_new_tokens and finished rows dropped from the decode batch, generate() gives the
+    same rollouts with the fused step record as with the Python loop body."""
+    model = _model(*SHAPES["llama-gqa"])
+    ids, mask, _ = _prompts(batch=8, width=6)
+    params = SamplingParams(max_new_tokens=24, pad_token_id=0, eos_token_id=[5, 17, 30], min_new_tokens=3,
+                            temperature=0.9, sync_every=2)
+    calls: list[int] = []
+    real = op.sample_record
+    monkeypatch.setattr(op, "sample_record", lambda *args: calls.append(1) or real(*args))
+    fused = generate(model, ids, mask, params, torch.Generator().manual_seed(2))
+    assert calls and len(calls) <= 24
+    monkeypatch.setattr(generation, "_fused_recorder", lambda logits, params: None)
+    python = generate(model, ids, mask, params, torch.Generator().manual_seed(2))
+    assert torch.equal(fused.sequences, python.sequences) and torch.equal(fused.action_mask, python.action_mask)
+    torch.testing.assert_close(fused.logprobs, python.logprobs, atol=2e-6, rtol=1e-6)
+    lengths = fused.action_mask.sum(1)
+    assert int(lengths.min()) >= 3 and int(lengths.min()) < 24  # EOS after min_new_tokens ended some rows

@@ -19,6 +19,8 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -334,6 +336,96 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, doub
   return tokens;
 }
 
+// log softmax(row)[token] in float32 (max, then the log of the sum of exp(x - max)), as
+// torch.logsumexp computes it (the sum's order differs: the last bit may).
+float row_logprob(const float* row, int64_t vocab, int64_t token) {
+  float best = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) best = std::max(best, row[i]);
+  if (best == -INFINITY) return -INFINITY;
+  float total = 0.0f;
+  for (int64_t i = 0; i < vocab; ++i) total += std::exp(row[i] - best);
+  return row[token] - (std::log(total) + best);
+}
+
+// One generation step's sampling and bookkeeping in one call (engine/generation.py's loop body,
+// whose Python is the reference): for each decoded row (`rows`, or every row when empty) a token
+// from softmax(logits / temperature) with EOS ids masked while `suppress_eos` (min_new_tokens),
+// drawn with its batch row's uniform; its log-prob under the raw logits; then for every batch row
+// b: sequences[b, col] = its token (pad once finished), action_mask[b, col] = not finished,
+// token_logprobs[b, col] = its log-prob (0 once finished), and finished[b] |= token is an EOS.
+// Returns the decoded rows' tokens [n, 1]: the next decode step's input.
+at::Tensor sample_record(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& rows,
+                         double temperature, const at::Tensor& eos_ids, bool suppress_eos, int64_t pad_id,
+                         int64_t col, at::Tensor& sequences, at::Tensor& action_mask, at::Tensor& token_logprobs,
+                         at::Tensor& finished, const std::string& isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous(),
+              "rlhf_cpu_decode.sample_record: logits must be a contiguous [rows, vocab] float32 CPU tensor");
+  TORCH_CHECK(temperature > 0, "rlhf_cpu_decode.sample_record: temperature must be > 0");
+  const int64_t n = logits.size(0), vocab = logits.size(1), batch = finished.numel();
+  TORCH_CHECK(finished.scalar_type() == at::kBool && finished.is_contiguous() && finished.dim() == 1,
+              "rlhf_cpu_decode.sample_record: finished must be a contiguous [batch] bool tensor");
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.is_contiguous() && uniform.numel() == batch,
+              "rlhf_cpu_decode.sample_record: uniform must be [batch] float32, one per batch row");
+  TORCH_CHECK(rows.numel() == 0 ? n == batch : (rows.scalar_type() == at::kLong && rows.numel() == n),
+              "rlhf_cpu_decode.sample_record: rows must index the logits' rows in the batch");
+  TORCH_CHECK(sequences.scalar_type() == at::kLong && action_mask.scalar_type() == at::kBool &&
+                  token_logprobs.scalar_type() == at::kFloat && sequences.is_contiguous() &&
+                  action_mask.is_contiguous() && token_logprobs.is_contiguous() && sequences.size(0) == batch &&
+                  action_mask.sizes() == sequences.sizes() && token_logprobs.sizes() == sequences.sizes() &&
+                  col >= 0 && col < sequences.size(1),
+              "rlhf_cpu_decode.sample_record: sequences (int64) / action_mask (bool) / token_logprobs (float32) "
+              "must be contiguous [batch, total_len] and col inside them");
+  TORCH_CHECK(eos_ids.scalar_type() == at::kLong && eos_ids.is_contiguous(),
+              "rlhf_cpu_decode.sample_record: eos_ids must be contiguous int64");
+  std::string chosen;
+  const Kernels& kernels = resolve_isa(isa, chosen);
+  const float* scores = logits.data_ptr<float>();
+  const float* draws = uniform.data_ptr<float>();
+  const int64_t* row_ids = rows.numel() == 0 ? nullptr : rows.data_ptr<int64_t>();
+  const int64_t* eos = eos_ids.data_ptr<int64_t>();
+  const int64_t n_eos = eos_ids.numel(), width = sequences.size(1);
+  for (int64_t e = 0; e < n_eos; ++e)
+    TORCH_CHECK(!suppress_eos || (eos[e] >= 0 && eos[e] < vocab), "rlhf_cpu_decode.sample_record: EOS id ",
+                eos[e], " outside the vocabulary");
+  for (int64_t i = 0; row_ids != nullptr && i < n; ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < batch, "rlhf_cpu_decode.sample_record: row ", row_ids[i],
+                " outside the batch");
+  // Rows not decoded are finished: they take the pad like every finished row.
+  std::vector<int64_t> decoded(batch, pad_id);
+  std::vector<float> logprob(batch, 0.0f);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> mass(vocab), masked;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = row_ids == nullptr ? i : row_ids[i];
+      const float* raw = scores + i * vocab;
+      const float* sampled = raw;
+      if (suppress_eos && n_eos > 0) {
+        masked.assign(raw, raw + vocab);
+        for (int64_t e = 0; e < n_eos; ++e) masked[eos[e]] = -INFINITY;
+        sampled = masked.data();
+      }
+      decoded[b] = kernels.sample_row(sampled, vocab, static_cast<float>(temperature), draws[b], mass.data());
+      logprob[b] = row_logprob(raw, vocab, decoded[b]);
+    }
+  });
+  bool* done = finished.data_ptr<bool>();
+  int64_t* seq = sequences.data_ptr<int64_t>();
+  bool* act = action_mask.data_ptr<bool>();
+  float* lp = token_logprobs.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t token = done[b] ? pad_id : decoded[b];
+    seq[b * width + col] = token;
+    act[b * width + col] = !done[b];
+    lp[b * width + col] = done[b] ? 0.0f : logprob[b];
+    for (int64_t e = 0; e < n_eos; ++e) done[b] = done[b] || token == eos[e];
+  }
+  at::Tensor next = at::empty({n, 1}, sequences.options());
+  int64_t* next_ptr = next.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) next_ptr[i] = seq[(row_ids == nullptr ? i : row_ids[i]) * width + col];
+  return next;
+}
+
 }  // namespace
 }  // namespace rlhf_decode
 
@@ -357,5 +449,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One draw per row from softmax(logits / temperature) by inverse CDF with the given uniforms "
         "(engine/sampling.py's sample_from_logits contract) -> [batch] int64.",
         py::call_guard<py::gil_scoped_release>());
+  m.def("sample_record", &rlhf_decode::sample_record, py::arg("logits"), py::arg("uniform"), py::arg("rows"),
+        py::arg("temperature"), py::arg("eos_ids"), py::arg("suppress_eos"), py::arg("pad_id"), py::arg("col"),
+        py::arg("sequences"), py::arg("action_mask"), py::arg("token_logprobs"), py::arg("finished"),
+        py::arg("isa") = "auto",
+        "One generation step's sampling and bookkeeping (engine/generation.py's loop body): tokens drawn "
+        "for the decoded rows, their log-probs, sequences / action_mask / token_logprobs column `col` and "
+        "`finished` updated in place -> the decoded rows' tokens [n, 1].");
   m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
 }

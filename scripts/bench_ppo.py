@@ -22,6 +22,9 @@ tokens only, from the model config, engine/flops.py), each phase's at the matmul
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
 forward + backward), over the measured iteration time; `phase_fractions` splits it by phase. 1.0
 would be a run that does nothing but its necessary matmuls at that rate.
+`compute_bound_fraction_with_kv_reads` adds the decode steps' KV-cache reads at the read bandwidth
+measured in the same run (`kv_cache_read_s`, `read_gb_per_s`): the floor a decode step has besides
+its matmuls (each step reads its rows' whole cache), so 1.0 - this is what is left above both bounds.
 
     python scripts/bench_ppo.py --peer-trl --repeats 3                    # median of 3 alternated runs each
     python scripts/bench_ppo.py --peer-trl --compile --iterations 7      # torch.compile'd layers
@@ -240,6 +243,33 @@ def compute_bound(ours: dict, rates: dict[str, float]) -> dict:
     }
 
 
+def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_fraction: float) -> dict:
+    """The decode steps' KV-cache reads at the read bandwidth measured now, in this process: the
+    part of an iteration no matmul rate bounds. A decode step reads every cached key and value
+    of its rows (2 x kv_dim per position and layer); with responses of the run's mean length
+    (exact for PPO, whose responses all have --new-tokens; an estimate where they stop at EOS)."""
+    from transformers import AutoConfig
+
+    from rlhf.engine.flops import TransformerShape
+
+    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
+    position_bytes = shape.layers * 2 * shape.kv_dim * torch.finfo(dtype).bits // 8
+    steps = max(round(ours["response_tokens_mean"]) - 1, 0)
+    positions = steps * args.prompt_len + steps * (steps + 1) // 2  # step t reads prompt + t positions
+    read_bytes = args.batch * positions * position_bytes
+    cache = torch.ones(args.batch * (args.prompt_len + args.new_tokens) * position_bytes // 4)
+    best, runs, began = float("inf"), 0, time.perf_counter()
+    while runs <= 5 or time.perf_counter() - began < 0.25:
+        start = time.perf_counter()
+        cache.sum()
+        best, runs = min(best, time.perf_counter() - start), runs + 1
+    seconds = read_bytes / (cache.numel() * 4 / best)
+    measured = sum(ours[k] for k in ("generation_s", "reward_s", "experience_s", "training_s"))
+    return {"kv_cache_read_s": round(seconds, 3), "read_gb_per_s": round(cache.numel() * 4 / best / 1e9, 1),
+            "compute_bound_fraction_with_kv_reads": round(ideal_fraction + seconds / measured, 3)}
+
+
 def run_peer(args: argparse.Namespace) -> dict:
     """TRL's marginal rate from the peer's own script (PPO: rate.sh, else rate_grpo.sh)."""
     script = PEER_SCRIPTS / ("rate.sh" if args.advantage_estimator == "gae" else "rate_grpo.sh")
@@ -262,9 +292,10 @@ def main() -> None:
             peer_runs.append(run_peer(args))
     ours = median_run(ours_runs, "completions_per_s")
     prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
+    bound = compute_bound(ours, matmul_rates(Path(ours["model"]), args, prompts_per_iteration))
     result = {
-        "estimator": args.advantage_estimator, **ours,
-        **compute_bound(ours, matmul_rates(Path(ours["model"]), args, prompts_per_iteration)),
+        "estimator": args.advantage_estimator, **ours, **bound,
+        **kv_cache_reads(Path(ours["model"]), args, ours, bound["compute_bound_fraction"]),
         "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
                   "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1},
     }

@@ -1,0 +1,117 @@
+"""Padding-free forwards: the real tokens of several rows packed end to end into one sequence.
+
+    logprobs = packed_logprobs(model, sequences, attention_mask, response_start, budget=4096)
+
+Rows of a rollout batch are [left-padded prompt | response | right padding]; a padded forward
+runs every row to the batch's (or micro-batch's) width. Here each row's real tokens (one
+contiguous run of columns) are laid end to end into packs of at most `budget` tokens (first fit,
+longest rows first), positions restarting at 0 for each row and a block-diagonal causal mask
+keeping the rows apart, so a forward runs only real tokens (the fused attention kernel reads such
+a mask as one span of keys per query: nothing is computed across rows). The LM head runs only at
+the positions that score columns response_start.. . The log-probs are those of the padded
+forward up to float rounding (tests/test_packing.py).
+
+Applies to decoder-only models whose positions come from `position_ids` (RoPE: the Llama, Qwen2
+and Mistral families); OPT derives positions from the attention mask and GPT-2 checkpoints
+differ in how they take a 4D mask, so they keep the padded forward (`packing_unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf.engine.logprobs import selective_log_softmax
+
+__all__ = ["PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason", "real_spans"]
+
+PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
+"""Model types (config.model_type) whose packed forward equals the padded one."""
+
+
+def packing_unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run packed forwards, or None when it can."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PACKED_FAMILIES:
+        return f"model type {model_type!r} is not one of {sorted(PACKED_FAMILIES)}"
+    if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {model.config._attn_implementation!r} takes no 4D boolean mask"
+    return None
+
+
+def real_spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(first real column, number of real tokens) of each row, or None when some row's real tokens
+    are not one contiguous run of columns."""
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    starts = torch.where(lengths > 0, real.int().argmax(dim=1), torch.zeros_like(lengths))
+    columns = torch.arange(real.shape[1], device=real.device)
+    inside = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
+    if not torch.equal(inside, real):
+        return None
+    return starts.tolist(), lengths.tolist()
+
+
+def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows into packs whose lengths sum to at most `budget` (a longer row is a pack of its own):
+    first fit, longest rows first; rows without tokens are left out."""
+    if budget < 1:
+        raise ValueError(f"pack budget must be >= 1 token, got {budget}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted((r for r in range(len(lengths)) if lengths[r] > 0), key=lambda r: -lengths[r]):
+        fit = next((i for i, free in enumerate(room) if free >= lengths[row]), None)
+        if fit is None:
+            packs.append([row])
+            room.append(budget - lengths[row])
+        else:
+            packs[fit].append(row)
+            room[fit] -= lengths[row]
+    return packs
+
+
+def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[1, 1, N, N] boolean: each position sees the earlier positions of its own row, N = sum(lengths)."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device))
+    total = segment.numel()
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return (causal & (segment[:, None] == segment[None, :]))[None, None]
+
+
+def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
+                    budget: int) -> torch.Tensor:
+    """Log-prob of each next token ([B, T-1], position t scoring column t + 1) of a causal LM from
+    forwards over packs of the rows' real tokens; positions before response_start - 1, and those
+    that score padding, are 0. Rows whose real tokens are not contiguous are a ValueError (the
+    caller keeps the padded forward for them)."""
+    spans = real_spans(attention_mask)
+    if spans is None:
+        raise ValueError("packed_logprobs: a row's real tokens are not one contiguous run of columns")
+    starts, lengths = spans
+    batch, width = sequences.shape
+    out = torch.zeros(batch, width - 1, dtype=torch.float32, device=sequences.device)
+    for pack in pack_rows(lengths, budget):
+        ids, positions, keep, targets, rows, cols = [], [], [], [], [], []
+        offset = 0
+        for row in pack:
+            start, n = starts[row], lengths[row]
+            ids.append(sequences[row, start : start + n])
+            positions.append(torch.arange(n, device=sequences.device))
+            # Column j (a real token at or after response_start, not the row's first) is scored by
+            # the position before it: pack position offset + (j - 1 - start).
+            first = max(start + 1, response_start)
+            scored = torch.arange(first, start + n, device=sequences.device)
+            keep.append(offset + scored - 1 - start)
+            targets.append(sequences[row, first : start + n])
+            rows.append(torch.full_like(scored, row))
+            cols.append(scored - 1)
+            offset += n
+        index = torch.cat(keep)
+        if index.numel() == 0:
+            continue
+        logits = model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
+                       attention_mask=_block_causal_mask([lengths[r] for r in pack], sequences.device),
+                       logits_to_keep=index, use_cache=False).logits[0]
+        out[torch.cat(rows), torch.cat(cols)] = selective_log_softmax(logits, torch.cat(targets)).float()
+    return out

@@ -1,0 +1,85 @@
+"""Packed (padding-free) forwards: log-probs equal the padded forward's at every scored real
+token, for the families that pack (tied embeddings, GQA, left-padded prompts, responses of
+different lengths ending in right padding), whatever the pack budget; the fused attention
+kernels take the block-diagonal mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.engine import fused_layers
+from rlhf.engine.inference import causal_lm_logprobs
+from rlhf.engine.packing import pack_rows, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.models.loading import load_causal_lm
+
+PROMPT = 6
+
+
+def rollout_batch(rows: int = 6, width: int = 18) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of 3-6 tokens, responses of 1 to width - PROMPT tokens, right padding."""
+    gen = torch.Generator().manual_seed(0)
+    sequences = torch.randint(3, 50, (rows, width), generator=gen)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for r in range(rows):
+        prompt = 3 + r % 4
+        response = 1 + (5 * r + 3) % (width - PROMPT)
+        mask[r, PROMPT - prompt : PROMPT + response] = 1
+    return sequences * mask, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("budget", [1, 20, 4096])
+@pytest.mark.usefixtures("one_thread")
+def test_packed_logprobs_match_the_padded_forward(tiny_model_dirs, family, budget):
+    model = load_causal_lm(str(tiny_model_dirs[family])).float().eval()
+    assert packing_unsupported_reason(model) is None
+    sequences, mask = rollout_batch()
+    with torch.no_grad():
+        padded = causal_lm_logprobs(model, sequences, mask)[0]
+        packed = packed_logprobs(model, sequences, mask, PROMPT, budget)
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()  # position t scores real column t + 1 after a real token
+    scored[:, : PROMPT - 1] = False  # only the response is scored
+    assert int(scored.sum()) > 20
+    torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
+    assert not bool(packed[~scored].any())  # nothing written where nothing is scored
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_packed_forward_runs_the_fused_attention_on_the_block_mask(tiny_model_dirs, monkeypatch):
+    model = load_causal_lm(str(tiny_model_dirs["llama"])).float().eval()
+    assert fused_layers.fuse_layer_ops(model) > 0
+    calls: list[tuple[int, ...]] = []
+    real = fused_layers._FusedAttention.apply
+    monkeypatch.setattr(fused_layers._FusedAttention, "apply",
+                        lambda q, k, v, m, *rest: calls.append(tuple(m.shape)) or real(q, k, v, m, *rest))
+    sequences, mask = rollout_batch()
+    with torch.no_grad():
+        packed = packed_logprobs(model, sequences, mask, PROMPT, 4096)
+        padded = causal_lm_logprobs(model, sequences, mask)[0]
+    total = int(mask.sum())
+    assert calls[0] == (1, 1, total, total)  # one pack, real tokens only
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    scored[:, : PROMPT - 1] = False
+    torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
+
+
+def test_spans_and_packs() -> None:
+    _, mask = rollout_batch()
+    starts, lengths = real_spans(mask)
+    assert lengths == mask.sum(1).tolist() and all(mask[r, s] == 1 for r, s in enumerate(starts))
+    holes = mask.clone()
+    holes[0, PROMPT] = 0  # a row with a hole is not one run
+    assert real_spans(holes) is None
+    packs = pack_rows([5, 9, 0, 3, 7, 12], budget=12)
+    assert sorted(r for p in packs for r in p) == [0, 1, 3, 4, 5]  # the empty row is left out
+    assert all(sum([5, 9, 0, 3, 7, 12][r] for r in p) <= 12 for p in packs)
+    assert pack_rows([20], budget=8) == [[0]]  # a row over the budget is a pack of its own
+    with pytest.raises(ValueError, match="budget"):
+        pack_rows([1], budget=0)
+
+
+def test_families_that_do_not_pack(tiny_model_dirs) -> None:
+    for family in ("gpt2", "opt"):
+        reason = packing_unsupported_reason(load_causal_lm(str(tiny_model_dirs[family])))
+        assert reason is not None and family in reason

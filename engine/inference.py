@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.micro_batches import forward_in_micro_batches
-from rlhf.engine.prompt_sharing import response_logprobs, shared_prompt_logprobs
+from rlhf.engine.micro_batches import forward_in_micro_batches, length_sorted_micro_batches, padded_tokens
+from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, shared_prompt_logprobs
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -68,13 +70,18 @@ class FrozenModel:
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
-                 response_start: int = 0) -> torch.Tensor:
+                 response_start: int = 0, pack_budget: int = 0) -> torch.Tensor:
         """Log-prob of each next token ([B, T-1]); the model must be a causal LM. With
         `response_start` > 0 the LM head runs only at the positions that score columns
         response_start.. (the others are 0). With `shared_prefix` > 0, rows that share their first
         shared_prefix columns (a sampled group's prompt) run them once (`shared_prompt_logprobs`;
         positions before it are then 0). Micro-batches drop their all-padding columns (rows sorted
-        by length unless groups share prompts): engine/micro_batches.py."""
+        by length unless groups share prompts): engine/micro_batches.py. With `pack_budget` > 0 the
+        rows' real tokens run packed (engine/packing.py, packs of at most that many tokens) where
+        the model packs and that runs fewer tokens than the padded micro-batches."""
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix):
+            return packed_logprobs(self.model, sequences, attention_mask, response_start,
+                                   min(pack_budget, MAX_PACK_TOKENS))[0]
         if shared_prefix > 0:
             def forward(s: torch.Tensor, m: torch.Tensor, lo: int) -> torch.Tensor:
                 return shared_prompt_logprobs(self.model, s, m, shared_prefix - lo)[0]
@@ -83,6 +90,20 @@ class FrozenModel:
                 return response_logprobs(self.model, s, m, max(response_start - lo, 0))[0]
         return forward_in_micro_batches(forward, sequences, attention_mask, self.micro_batch_size,
                                         sort=shared_prefix == 0)
+
+    def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> bool:
+        """A packed forward applies (the model packs, each row's real tokens are one run, and it is
+        not sharded: FSDP2 needs as many forwards on every rank, and packs differ between ranks) and
+        runs fewer tokens than the padded micro-batches would (each shared prompt counted once)."""
+        if (isinstance(self.model, FSDPModule) or packing_unsupported_reason(self.model) is not None
+                or real_spans(attention_mask) is None):
+            return False
+        packed = int(attention_mask.sum())
+        if shared_prefix > 0:
+            return packed < padded_forward_tokens(sequences, attention_mask, shared_prefix)
+        padded = sum(padded_tokens(attention_mask[rows])
+                     for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
+        return packed < padded
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

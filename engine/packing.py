@@ -21,9 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhf.engine.logprobs import selective_log_softmax
+from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
-__all__ = ["PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason", "real_spans"]
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason", "real_spans"]
+
+MAX_PACK_TOKENS = 4096
+"""Largest pack the callers ask for: its mask is [N, N] bytes (16 MiB at 4096)."""
 
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 """Model types (config.model_type) whose packed forward equals the padded one."""
@@ -80,17 +83,20 @@ def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor
 
 
 def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
-                    budget: int) -> torch.Tensor:
-    """Log-prob of each next token ([B, T-1], position t scoring column t + 1) of a causal LM from
-    forwards over packs of the rows' real tokens; positions before response_start - 1, and those
-    that score padding, are 0. Rows whose real tokens are not contiguous are a ValueError (the
-    caller keeps the padded forward for them)."""
+                    budget: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each next token [B, T-1], position t scoring column t + 1; with `with_entropy`
+    the entropy of each of those positions' distributions, else None) of a causal LM from forwards
+    over packs of the rows' real tokens (one forward per pack: a budget of at least the rows' real
+    tokens is one forward). Positions before response_start - 1, and those that score padding, are
+    0. Differentiable. Rows whose real tokens are not contiguous are a ValueError (the caller keeps
+    the padded forward for them)."""
     spans = real_spans(attention_mask)
     if spans is None:
         raise ValueError("packed_logprobs: a row's real tokens are not one contiguous run of columns")
     starts, lengths = spans
     batch, width = sequences.shape
     out = torch.zeros(batch, width - 1, dtype=torch.float32, device=sequences.device)
+    entropy = torch.zeros_like(out) if with_entropy else None
     for pack in pack_rows(lengths, budget):
         ids, positions, keep, targets, rows, cols = [], [], [], [], [], []
         offset = 0
@@ -113,5 +119,8 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
         logits = model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
                        attention_mask=_block_causal_mask([lengths[r] for r in pack], sequences.device),
                        logits_to_keep=index, use_cache=False).logits[0]
-        out[torch.cat(rows), torch.cat(cols)] = selective_log_softmax(logits, torch.cat(targets)).float()
-    return out
+        where = (torch.cat(rows), torch.cat(cols))
+        out = out.index_put(where, selective_log_softmax(logits, torch.cat(targets)).float())
+        if entropy is not None:
+            entropy = entropy.index_put(where, entropy_from_logits_chunked(logits).float())
+    return out, entropy

@@ -102,6 +102,17 @@ def shared_prompt_logprobs(model: nn.Module, sequences: torch.Tensor, attention_
     return logprobs, entropy
 
 
+def padded_forward_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> int:
+    """Tokens one padded forward over these rows runs (rows x width without all-padding columns),
+    each shared prompt (first `shared_prefix` columns, rows that share them) counted once."""
+    used = attention_mask.bool().any(dim=0).nonzero()
+    lo, hi = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, attention_mask.shape[1])
+    groups = prompt_groups(sequences, attention_mask, shared_prefix) if shared_prefix > lo else None
+    if groups is None:
+        return attention_mask.shape[0] * (hi - lo)
+    return groups[0].shape[0] * (shared_prefix - lo) + attention_mask.shape[0] * (hi - shared_prefix)
+
+
 def response_prefix(action_mask: torch.Tensor) -> int:
     """The widest prefix of columns that holds no response token in any row ([B, T] action mask of
     the full sequences): what the rows of one group can share."""
@@ -111,4 +122,4 @@ def response_prefix(action_mask: torch.Tensor) -> int:
     return int(has_action.float().argmax())
 
 
-__all__ = ["prompt_groups", "response_logprobs", "response_prefix", "shared_prompt_logprobs"]
+__all__ = ["padded_forward_tokens", "prompt_groups", "response_logprobs", "response_prefix", "shared_prompt_logprobs"]

@@ -65,7 +65,10 @@ from rlhf.engine.micro_batches import (
     column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
 )
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.prompt_sharing import response_logprobs, response_prefix, shared_prompt_logprobs
+from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.prompt_sharing import (
+    padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
+)
 from rlhf.engine.rollout import default_parity_tolerance, rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
@@ -493,7 +496,8 @@ class PPOTrainer:
                 self.ran_old_logprob_forward = True
             else:  # generation's: column t + 1's token log-prob is position t's (as the forward's [B, T-1])
                 old_logprobs = rollouts.logprobs[:, 1:] * rollouts.action_mask[:, 1:]
-        ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start)
+        ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start,
+                                         pack_budget=self.config.max_tokens_per_micro_batch)
         values = None
         if self.critic is not None:
             started = time.perf_counter()
@@ -536,10 +540,27 @@ class PPOTrainer:
     def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int, share: bool,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs [B, T-1] (and entropy) of the tokens from column response_start on
-        (the LM head runs only there), each shared prompt run once when `share`."""
+        (the LM head runs only there), each shared prompt run once when `share`; packed in one
+        forward where `packs` says so."""
+        if self.packs(sequences, attention_mask, response_start if share else 0):
+            return packed_logprobs(self.actor.model, sequences, attention_mask, response_start,
+                                   int(attention_mask.sum()), with_entropy)
         if share:
             return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
         return response_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
+
+    def packs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> bool:
+        """The actor's forward over these rows runs packed (--pack-sequences with a token budget):
+        the model packs, each row's real tokens are one run, at most MAX_PACK_TOKENS of them (one
+        forward, as the padded path: FSDP2 needs the same number on every rank), and fewer tokens
+        than the padded forward (the rows' shared prompts, first `shared_prefix` columns, once)."""
+        config = self.config
+        if not (config.pack_sequences and config.max_tokens_per_micro_batch):
+            return False
+        if packing_unsupported_reason(self.actor.model) is not None or real_spans(attention_mask) is None:
+            return False
+        real = int(attention_mask.sum())
+        return real <= MAX_PACK_TOKENS and real < padded_forward_tokens(sequences, attention_mask, shared_prefix)
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf.engine import fused_layers
+from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.packing import pack_rows, packed_logprobs, packing_unsupported_reason, real_spans
 from rlhf.models.loading import load_causal_lm
@@ -37,7 +38,7 @@ def test_packed_logprobs_match_the_padded_forward(tiny_model_dirs, family, budge
     sequences, mask = rollout_batch()
     with torch.no_grad():
         padded = causal_lm_logprobs(model, sequences, mask)[0]
-        packed = packed_logprobs(model, sequences, mask, PROMPT, budget)
+        packed = packed_logprobs(model, sequences, mask, PROMPT, budget)[0]
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()  # position t scores real column t + 1 after a real token
     scored[:, : PROMPT - 1] = False  # only the response is scored
     assert int(scored.sum()) > 20
@@ -55,7 +56,7 @@ def test_packed_forward_runs_the_fused_attention_on_the_block_mask(tiny_model_di
                         lambda q, k, v, m, *rest: calls.append(tuple(m.shape)) or real(q, k, v, m, *rest))
     sequences, mask = rollout_batch()
     with torch.no_grad():
-        packed = packed_logprobs(model, sequences, mask, PROMPT, 4096)
+        packed = packed_logprobs(model, sequences, mask, PROMPT, 4096)[0]
         padded = causal_lm_logprobs(model, sequences, mask)[0]
     total = int(mask.sum())
     assert calls[0] == (1, 1, total, total)  # one pack, real tokens only
@@ -83,3 +84,61 @@ def test_families_that_do_not_pack(tiny_model_dirs) -> None:
     for family in ("gpt2", "opt"):
         reason = packing_unsupported_reason(load_causal_lm(str(tiny_model_dirs[family])))
         assert reason is not None and family in reason
+
+
+@pytest.fixture(scope="module")
+def ctx(one_thread: None) -> DistributedContext:
+    return DistributedContext.initialize()
+
+
+def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, monkeypatch):
+    """FrozenModel.logprobs with a token budget runs packed when the padded micro-batches (shared
+    prompts counted once) would run more tokens, and gives the padded path's log-probs."""
+    from rlhf.engine import inference
+
+    model = load_causal_lm(str(tiny_model_dirs["qwen2"])).float()
+    frozen = inference.FrozenModel(model, ctx, zero_stage=3, dtype="fp32", offload=False,
+                                   micro_batch_size=64, name="ref")
+    packed_calls: list[int] = []
+    real = inference.packed_logprobs
+    monkeypatch.setattr(inference, "packed_logprobs", lambda *a: packed_calls.append(1) or real(*a))
+    # Groups of 2 sharing a prompt, responses of very different lengths: packing runs fewer tokens.
+    sequences, mask = rollout_batch(rows=6, width=40)
+    pairs = torch.tensor([0, 0, 2, 2, 4, 4])
+    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[pairs, :PROMPT], mask[pairs, :PROMPT]
+    padded = frozen.logprobs(sequences, mask, shared_prefix=PROMPT, response_start=PROMPT)
+    assert packed_calls == []
+    packed = frozen.logprobs(sequences, mask, shared_prefix=PROMPT, response_start=PROMPT, pack_budget=64)
+    assert packed_calls == [1]
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    scored[:, : PROMPT - 1] = False
+    torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
+    # Rows of one length and a shared prompt: the padded path runs fewer tokens and is kept.
+    even = mask.clone()
+    even[:, PROMPT:] = 1
+    frozen.logprobs(sequences, even, shared_prefix=PROMPT, response_start=PROMPT, pack_budget=64)
+    assert packed_calls == [1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.usefixtures("one_thread")
+def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, family):
+    """One packed forward (log-probs and entropy of the response) back-propagates the padded
+    forward's gradients into every parameter."""
+    from rlhf.engine.prompt_sharing import response_logprobs
+
+    model = load_causal_lm(str(tiny_model_dirs[family])).float()
+    sequences, mask = rollout_batch()
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    scored[:, : PROMPT - 1] = False
+    weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
+
+    padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
+    ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    packed, entropy = packed_logprobs(model, sequences, mask, PROMPT, int(mask.sum()), with_entropy=True)
+    ((packed * weights).sum() + (entropy * weights).sum()).backward()
+    torch.testing.assert_close(entropy[scored], padded_entropy[scored], atol=2e-5, rtol=1e-5)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)

@@ -34,6 +34,8 @@ PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 
 def packing_unsupported_reason(model: nn.Module) -> str | None:
     """Why `model` cannot run packed forwards, or None when it can."""
+    if hasattr(model, "peft_config"):
+        return "a LoRA (peft) model: its forward is not checked with packed inputs"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in PACKED_FAMILIES:
         return f"model type {model_type!r} is not one of {sorted(PACKED_FAMILIES)}"
@@ -83,13 +85,15 @@ def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor
 
 
 def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
-                    budget: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    budget: int, with_entropy: bool = False,
+                    columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-prob of each next token [B, T-1], position t scoring column t + 1; with `with_entropy`
     the entropy of each of those positions' distributions, else None) of a causal LM from forwards
     over packs of the rows' real tokens (one forward per pack: a budget of at least the rows' real
     tokens is one forward). Positions before response_start - 1, and those that score padding, are
-    0. Differentiable. Rows whose real tokens are not contiguous are a ValueError (the caller keeps
-    the padded forward for them)."""
+    0. `columns` ([B, T] bool) scores those columns instead (SFT: the supervised ones; a row's first
+    real token is never scored). Differentiable. Rows whose real tokens are not contiguous are a
+    ValueError (the caller keeps the padded forward for them)."""
     spans = real_spans(attention_mask)
     if spans is None:
         raise ValueError("packed_logprobs: a row's real tokens are not one contiguous run of columns")
@@ -106,10 +110,12 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
             positions.append(torch.arange(n, device=sequences.device))
             # Column j (a real token at or after response_start, not the row's first) is scored by
             # the position before it: pack position offset + (j - 1 - start).
-            first = max(start + 1, response_start)
-            scored = torch.arange(first, start + n, device=sequences.device)
+            scored = torch.arange(max(start + 1, response_start), start + n, device=sequences.device)
+            if columns is not None:
+                scored = torch.arange(start + 1, start + n, device=sequences.device)
+                scored = scored[columns[row, start + 1 : start + n]]
             keep.append(offset + scored - 1 - start)
-            targets.append(sequences[row, first : start + n])
+            targets.append(sequences[row, scored])
             rows.append(torch.full_like(scored, row))
             cols.append(scored - 1)
             offset += n

@@ -170,6 +170,9 @@ class StageConfig(RunConfig):
 class SFTConfig(StageConfig):
     """Supervised fine-tuning of a causal LM on demonstrations."""
 
+    pack_sequences: bool = True
+    """With --max-tokens-per-micro-batch, each micro-batch's forward runs its rows' real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; not LoRA), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward; same loss and gradients up to rounding."""
+
 
 @dataclass
 class RewardConfig(StageConfig):

@@ -497,7 +497,8 @@ class PPOTrainer:
             else:  # generation's: column t + 1's token log-prob is position t's (as the forward's [B, T-1])
                 old_logprobs = rollouts.logprobs[:, 1:] * rollouts.action_mask[:, 1:]
         ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start,
-                                         pack_budget=self.config.max_tokens_per_micro_batch)
+                                         pack_budget=self.config.max_tokens_per_micro_batch
+                                         if self.config.pack_sequences else 0)
         values = None
         if self.critic is not None:
             started = time.perf_counter()

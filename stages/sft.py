@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlhf.algorithms.losses import sft_loss_sum
+from rlhf.algorithms.losses import IGNORE_INDEX, sft_loss_sum
 from rlhf.config import SFTConfig
 from rlhf.data.batching import collate_sft
 from rlhf.data.formats import ParsedRow
 from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.tokenization import TokenizeStats, tokenize_sft
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
 from rlhf.models.loading import deferred_causal_lm, load_tokenizer
@@ -38,6 +39,25 @@ def sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     loss_sum, n = sft_loss_sum(logits, batch["labels"].to(logits.device))
     return loss_sum, float(n), {}
+
+
+def packed_sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """`sft_loss` from one packed forward over the rows' real tokens (engine/packing.py) where the
+    model packs, the rows hold at most MAX_PACK_TOKENS real tokens and that is fewer than the
+    padded forward's; else `sft_loss`."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    labels = batch["labels"].to(ids.device)
+    scored = labels != IGNORE_INDEX
+    scored[:, 0] = False  # the first column is nobody's next token
+    real = int(mask.sum())
+    lo_hi = mask.bool().any(dim=0).nonzero()
+    padded = mask.shape[0] * (int(lo_hi[-1]) + 1 - int(lo_hi[0])) if lo_hi.numel() else 0
+    if (packing_unsupported_reason(model) is not None or real_spans(mask) is None or real > MAX_PACK_TOKENS
+            or real >= padded or not torch.equal(labels[scored], ids[scored])):
+        return sft_loss(model, batch)
+    logprobs, _ = packed_logprobs(model, ids, mask, 0, real, columns=scored)
+    target = scored[:, 1:]  # position t scores column t + 1
+    return -logprobs[target].sum(), float(target.sum()), {}
 
 
 def load_sft_rows(config: SFTConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
@@ -71,9 +91,10 @@ def run(config: SFTConfig) -> dict[str, Any]:
         metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
         return metrics
 
+    loss_fn = packed_sft_loss if config.pack_sequences and config.max_tokens_per_micro_batch else sft_loss
     result = run_training(
         "sft", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
-        sft_loss, eval_fn if eval_rows else None, row_lengths=lambda row: [len(row["input_ids"])],
+        loss_fn, eval_fn if eval_rows else None, row_lengths=lambda row: [len(row["input_ids"])],
     )
     export_trained_model(engine, output / "model", tokenizer, config.lora)
 

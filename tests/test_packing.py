@@ -142,3 +142,33 @@ def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, famil
     torch.testing.assert_close(entropy[scored], padded_entropy[scored], atol=2e-5, rtol=1e-5)
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_packed_sft_loss_equals_the_padded_loss(tiny_model_dirs, monkeypatch):
+    """rlhf sft's packed loss: the same summed cross entropy, token count and gradients as the padded
+    forward's, over right-padded rows whose prompts are not supervised."""
+    from rlhf.data.batching import collate_sft
+    from rlhf.stages import sft
+
+    model = load_causal_lm(str(tiny_model_dirs["mistral"])).float()
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for n, prompt in ((14, 4), (5, 2), (9, 3), (3, 1)):
+        ids = torch.randint(3, 50, (n,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    batch = collate_sft(rows, pad_token_id=0)
+    calls: list[int] = []
+    real = sft.packed_logprobs
+    monkeypatch.setattr(sft, "packed_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    want, want_n, _ = sft.sft_loss(model, batch)
+    want.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got, got_n, _ = sft.packed_sft_loss(model, batch)
+    got.backward()
+    assert calls == [1] and got_n == want_n == float(batch["num_units"])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)

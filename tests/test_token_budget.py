@@ -58,3 +58,26 @@ def test_budget_micro_batches_take_the_fixed_step(stage: str, model: Path, sft_d
     for a, b in zip(runs["budget"], runs["fixed"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_sft_packed_micro_batches_take_the_fixed_step(model: Path, sft_data: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget that holds rows of different lengths: their micro-batches run packed (no padding),
+    and the steps equal the fixed micro-batches' and --no-pack-sequences' (padded) ones."""
+    from rlhf.stages import sft
+
+    packed_calls: list[int] = []
+    real = sft.packed_logprobs
+    monkeypatch.setattr(sft, "packed_logprobs", lambda *a, **k: packed_calls.append(1) or real(*a, **k))
+    runs = {}
+    for name, extra in (("fixed", []), ("packed", ["--max-tokens-per-micro-batch", "200"]),
+                        ("padded", ["--max-tokens-per-micro-batch", "200", "--no-pack-sequences"])):
+        calls_before = len(packed_calls)
+        out = tmp_path / name
+        main(["sft", "--model", str(model), "--data", str(sft_data), "--output", str(out), *COMMON, *extra])
+        runs[name] = steps(out)
+        assert (len(packed_calls) > calls_before) == (name == "packed"), name
+    for name in ("packed", "padded"):
+        for a, b in zip(runs[name], runs["fixed"]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -179,7 +179,7 @@ class AdaptersOffReference(FrozenModel):
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
-                 response_start: int = 0) -> torch.Tensor:
-        """`FrozenModel.logprobs` of the base model."""
+                 response_start: int = 0, pack_budget: int = 0) -> torch.Tensor:
+        """`FrozenModel.logprobs` of the base model (a peft model: never packed)."""
         with adapters_disabled(self.model):
-            return super().logprobs(sequences, attention_mask, shared_prefix, response_start)
+            return super().logprobs(sequences, attention_mask, shared_prefix, response_start, pack_budget)

@@ -401,7 +401,8 @@ def _decode(
     sequences = torch.full((batch, prompt_len + max_new), params.pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_len] = input_ids
     t = _Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
-                    torch.zeros_like(sequences, dtype=torch.float32), torch.zeros(batch, dtype=torch.bool, device=device),
+                    torch.zeros_like(sequences, dtype=torch.float32),
+                    torch.zeros(batch, dtype=torch.bool, device=device),
                     torch.tensor(params.eos_token_ids, dtype=torch.long, device=device))
     # The mask the model sees: prompt padding, then every generated slot visible (what a finished
     # row attends to no longer matters, its tokens are forced to pad).

@@ -23,7 +23,8 @@ from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason", "real_spans"]
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason",
+           "real_spans"]
 
 MAX_PACK_TOKENS = 4096
 """Largest pack the callers ask for: its mask is [N, N] bytes (16 MiB at 4096)."""
@@ -110,7 +111,8 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
             positions.append(torch.arange(n, device=sequences.device))
             # Column j (a real token at or after response_start, not the row's first) is scored by
             # the position before it: pack position offset + (j - 1 - start).
-            scored = torch.arange(max(start + 1, response_start), start + n, device=sequences.device)
+            first = min(max(start + 1, response_start), start + n)
+            scored = torch.arange(first, start + n, device=sequences.device)
             if columns is not None:
                 scored = torch.arange(start + 1, start + n, device=sequences.device)
                 scored = scored[columns[row, start + 1 : start + n]]
@@ -120,11 +122,13 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
             cols.append(scored - 1)
             offset += n
         index = torch.cat(keep)
-        if index.numel() == 0:
-            continue
+        scores_nothing = index.numel() == 0
         logits = model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
                        attention_mask=_block_causal_mask([lengths[r] for r in pack], sequences.device),
-                       logits_to_keep=index, use_cache=False).logits[0]
+                       logits_to_keep=index.new_zeros(1) if scores_nothing else index, use_cache=False).logits[0]
+        if scores_nothing:  # still a forward with a graph, as the padded path's (sharded ranks run as many)
+            out = out + 0.0 * logits.float().sum()
+            continue
         where = (torch.cat(rows), torch.cat(cols))
         out = out.index_put(where, selective_log_softmax(logits, torch.cat(targets)).float())
         if entropy is not None:

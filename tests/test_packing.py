@@ -172,3 +172,15 @@ def test_packed_sft_loss_equals_the_padded_loss(tiny_model_dirs, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pack_that_scores_nothing_still_runs_one_forward_with_a_graph(tiny_model_dirs):
+    """Rows with no token at or after response_start: the forward runs (sharded ranks must run as many
+    as the others) and its zero log-probs still back-propagate (zero gradients), as the padded path's."""
+    model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
+    sequences, mask = rollout_batch()
+    logprobs, _ = packed_logprobs(model, sequences, mask, sequences.shape[1] + 5, int(mask.sum()))
+    assert not bool(logprobs.any()) and logprobs.requires_grad
+    logprobs.sum().backward()
+    assert all(p.grad is None or not bool(p.grad.any()) for p in model.parameters())

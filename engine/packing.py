@@ -23,8 +23,8 @@ from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packing_unsupported_reason",
-           "real_spans"]
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packed_values",
+           "packing_unsupported_reason", "real_spans"]
 
 MAX_PACK_TOKENS = 4096
 """Largest pack the callers ask for: its mask is [N, N] bytes (16 MiB at 4096)."""
@@ -134,3 +134,24 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
         if entropy is not None:
             entropy = entropy.index_put(where, entropy_from_logits_chunked(logits).float())
     return out, entropy
+
+
+def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per-token values [B, T] (float32) of a value model (`ValueModel`: forward(input_ids,
+    attention_mask, position_ids) -> [B, T]) from forwards over packs of the rows' real tokens, as
+    `packed_logprobs` packs them; positions outside the rows' real tokens are 0 (the padded
+    forward's mean nothing). Differentiable; a ValueError where a row's real tokens are not one run."""
+    spans = real_spans(attention_mask)
+    if spans is None:
+        raise ValueError("packed_values: a row's real tokens are not one contiguous run of columns")
+    starts, lengths = spans
+    out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
+    for pack in pack_rows(lengths, budget):
+        ids = torch.cat([sequences[r, starts[r] : starts[r] + lengths[r]] for r in pack])
+        positions = torch.cat([torch.arange(lengths[r], device=sequences.device) for r in pack])
+        rows = torch.cat([torch.full((lengths[r],), r, device=sequences.device) for r in pack])
+        cols = torch.cat([torch.arange(starts[r], starts[r] + lengths[r], device=sequences.device) for r in pack])
+        values = model(ids[None], _block_causal_mask([lengths[r] for r in pack], sequences.device),
+                       position_ids=positions[None])[0]
+        out = out.index_put((rows, cols), values.float())
+    return out

@@ -236,7 +236,7 @@ class PPOConfig(RunConfig):
     share_prompt_forward: bool = True
     """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (its keys/values copied to the group's rows; same log-probs and gradients up to rounding)."""
     pack_sequences: bool = True
-    """With --max-tokens-per-micro-batch, the actor's and the reference model's log-prob forwards run each micro-batch's real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward (shared prompts counted once); same log-probs and gradients up to rounding."""
+    """With --max-tokens-per-micro-batch, the actor's, the critic's and the reference model's forwards run each micro-batch's real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward (shared prompts counted once); same log-probs and gradients up to rounding."""
     actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
     critic_zero_stage: ZeroStage | None = None

@@ -65,7 +65,9 @@ from rlhf.engine.micro_batches import (
     column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
 )
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.packing import (
+    MAX_PACK_TOKENS, packed_logprobs, packed_values, packing_unsupported_reason, real_spans,
+)
 from rlhf.engine.prompt_sharing import (
     padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
 )
@@ -506,8 +508,7 @@ class PPOTrainer:
             if self.keeps_critic_forward(len(seq)):
                 values = self.kept_critic_forward(seq, attn)
             else:
-                values = forward_in_micro_batches(lambda s, m, lo: critic_values(self.critic.model, s, m), seq, attn,
-                                                  micro)
+                values = forward_in_micro_batches(lambda s, m, lo: self.critic_forward(s, m), seq, attn, micro)
             self.critic_seconds += time.perf_counter() - started
         return old_logprobs, ref_logprobs, values
 
@@ -538,27 +539,35 @@ class PPOTrainer:
         with --samples-per-prompt > 1; see engine/prompt_sharing.py)."""
         return self.config.share_prompt_forward and self.group_size > 1
 
+    def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The critic's values [B, T]; packed in one forward where `packs` says so."""
+        if self.packs(self.critic.model, sequences, attention_mask):
+            return packed_values(self.critic.model, sequences, attention_mask, int(attention_mask.sum()))
+        return critic_values(self.critic.model, sequences, attention_mask)
+
     def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int, share: bool,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs [B, T-1] (and entropy) of the tokens from column response_start on
         (the LM head runs only there), each shared prompt run once when `share`; packed in one
         forward where `packs` says so."""
-        if self.packs(sequences, attention_mask, response_start if share else 0):
+        if self.packs(self.actor.model, sequences, attention_mask, response_start if share else 0):
             return packed_logprobs(self.actor.model, sequences, attention_mask, response_start,
                                    int(attention_mask.sum()), with_entropy)
         if share:
             return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
         return response_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
 
-    def packs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> bool:
-        """The actor's forward over these rows runs packed (--pack-sequences with a token budget):
-        the model packs, each row's real tokens are one run, at most MAX_PACK_TOKENS of them (one
-        forward, as the padded path: FSDP2 needs the same number on every rank), and fewer tokens
-        than the padded forward (the rows' shared prompts, first `shared_prefix` columns, once)."""
+    def packs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+              shared_prefix: int = 0) -> bool:
+        """A trained model's (actor, critic) forward over these rows runs packed (--pack-sequences
+        with a token budget): the model packs, each row's real tokens are one run, at most
+        MAX_PACK_TOKENS of them (one forward, as the padded path: FSDP2 needs the same number on
+        every rank), and fewer tokens than the padded forward (the rows' shared prompts, first
+        `shared_prefix` columns, once)."""
         config = self.config
         if not (config.pack_sequences and config.max_tokens_per_micro_batch):
             return False
-        if packing_unsupported_reason(self.actor.model) is not None or real_spans(attention_mask) is None:
+        if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
             return False
         real = int(attention_mask.sum())
         return real <= MAX_PACK_TOKENS and real < padded_forward_tokens(sequences, attention_mask, shared_prefix)
@@ -691,7 +700,7 @@ class PPOTrainer:
         if kept is not None and kept.shape[1] == exp.sequences.shape[1] and kept.shape[0] == len(rows):
             values = kept.index_select(0, rows.to(kept.device))[:, :-1]
         else:
-            values = critic_values(self.critic.model, exp.sequences, exp.attention_mask)[:, :-1]
+            values = self.critic_forward(exp.sequences, exp.attention_mask)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)
         self.critic.backward(weight * v_loss)

@@ -184,3 +184,28 @@ def test_a_pack_that_scores_nothing_still_runs_one_forward_with_a_graph(tiny_mod
     assert not bool(logprobs.any()) and logprobs.requires_grad
     logprobs.sum().backward()
     assert all(p.grad is None or not bool(p.grad.any()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.usefixtures("one_thread")
+def test_packed_values_match_the_padded_value_model(tiny_model_dirs, family):
+    """A value model's per-token values (and their gradients) from packed forwards equal the padded
+    forward's at every real token (budgets of one row per pack and of all rows in one)."""
+    from rlhf.engine.packing import packed_values
+    from rlhf.models.value_model import ValueModel
+
+    critic = ValueModel.from_causal_lm_dir(tiny_model_dirs[family], head_init_std=0.5).float()
+    sequences, mask = rollout_batch()
+    real = mask.bool()
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * real
+    padded = critic(sequences, mask)
+    (padded * weights).sum().backward()
+    want = [p.grad.clone() for p in critic.parameters()]
+    for budget in (1, int(mask.sum())):
+        critic.zero_grad()
+        packed = packed_values(critic, sequences, mask, budget)
+        (packed * weights).sum().backward()
+        torch.testing.assert_close(packed[real], padded[real].detach(), atol=2e-5, rtol=1e-5)
+        assert not bool(packed[~real].any())
+        for p, g in zip(critic.parameters(), want):
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)

@@ -133,22 +133,23 @@ def test_token_budget_micro_batches_train_as_one_micro_batch(tiny_model_dirs, pr
 
 
 def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path, monkeypatch) -> None:
-    """A budget that holds the whole minibatch of left-padded rows: the actor's and the reference
-    model's forwards run packed (--pack-sequences) and the steps are the padded ones."""
+    """A budget that holds the whole minibatch of left-padded rows: the actor's, the critic's and the
+    reference model's forwards run packed (--pack-sequences) and the steps are the padded ones."""
     from rlhf.engine import inference
     from rlhf.stages import ppo
 
-    calls = {"actor": 0, "ref": 0}
-    for module, key in ((ppo, "actor"), (inference, "ref")):
-        real = module.packed_logprobs
-        monkeypatch.setattr(module, "packed_logprobs",
+    calls = {"actor": 0, "ref": 0, "critic": 0}
+    for module, name, key in ((ppo, "packed_logprobs", "actor"), (inference, "packed_logprobs", "ref"),
+                              (ppo, "packed_values", "critic")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
                             lambda *a, real=real, key=key, **k: calls.__setitem__(key, calls[key] + 1) or real(*a, **k))
     model = tiny_model_dirs["llama"]
     fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8", "--max-tokens-per-micro-batch", "400")
     padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences")
-    assert calls == {"actor": 0, "ref": 0}
+    assert calls == {"actor": 0, "ref": 0, "critic": 0}
     packed = _ppo(model, prompts, tmp_path / "packed", *fixed)
-    assert calls["actor"] > 0 and calls["ref"] > 0
+    assert calls["actor"] > 0 and calls["ref"] > 0 and calls["critic"] > 0
     for a, b in zip(packed, padded):
         for key in ("critic_grad_norm", "actor_grad_norm", "kl", "score_mean", "policy_loss", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -21,7 +21,7 @@ from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dt
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches, length_sorted_micro_batches, padded_tokens
-from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packs_fewer_tokens
 from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, shared_prompt_logprobs
 from rlhf.logging import get_logger
 
@@ -95,15 +95,14 @@ class FrozenModel:
         """A packed forward applies (the model packs, each row's real tokens are one run, and it is
         not sharded: FSDP2 needs as many forwards on every rank, and packs differ between ranks) and
         runs fewer tokens than the padded micro-batches would (each shared prompt counted once)."""
-        if (isinstance(self.model, FSDPModule) or packing_unsupported_reason(self.model) is not None
-                or real_spans(attention_mask) is None):
+        if isinstance(self.model, FSDPModule):
             return False
-        packed = int(attention_mask.sum())
         if shared_prefix > 0:
-            return packed < padded_forward_tokens(sequences, attention_mask, shared_prefix)
-        padded = sum(padded_tokens(attention_mask[rows])
-                     for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
-        return packed < padded
+            padded = padded_forward_tokens(sequences, attention_mask, shared_prefix)
+        else:
+            padded = sum(padded_tokens(attention_mask[rows])
+                         for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
+        return packs_fewer_tokens(self.model, attention_mask, padded)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

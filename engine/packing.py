@@ -24,7 +24,7 @@ from torch import nn
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
 __all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packed_values",
-           "packing_unsupported_reason", "real_spans"]
+           "packing_unsupported_reason", "packs_fewer_tokens", "real_spans"]
 
 MAX_PACK_TOKENS = 4096
 """Largest pack the callers ask for: its mask is [N, N] bytes (16 MiB at 4096)."""
@@ -43,6 +43,16 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {model.config._attn_implementation!r} takes no 4D boolean mask"
     return None
+
+
+def packs_fewer_tokens(model: nn.Module, attention_mask: torch.Tensor, padded_tokens: int) -> bool:
+    """A packed forward over these rows applies and pays: the model packs, each row's real tokens
+    are one run, at most MAX_PACK_TOKENS of them (one forward), fewer than the `padded_tokens` the
+    padded forward would run."""
+    if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
+        return False
+    real = int(attention_mask.sum())
+    return real <= MAX_PACK_TOKENS and real < padded_tokens
 
 
 def real_spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
@@ -85,6 +95,16 @@ def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor
     return (causal & (segment[:, None] == segment[None, :]))[None, None]
 
 
+def _pack_inputs(sequences: torch.Tensor, starts: list[int], lengths: list[int],
+                 pack: list[int]) -> dict[str, torch.Tensor]:
+    """A pack's forward arguments: its rows' real tokens end to end [1, N], positions restarting at
+    0 for each row, and the block-diagonal causal mask [1, 1, N, N]."""
+    device = sequences.device
+    return {"input_ids": torch.cat([sequences[r, starts[r] : starts[r] + lengths[r]] for r in pack])[None],
+            "position_ids": torch.cat([torch.arange(lengths[r], device=device) for r in pack])[None],
+            "attention_mask": _block_causal_mask([lengths[r] for r in pack], device)}
+
+
 def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
                     budget: int, with_entropy: bool = False,
                     columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,12 +123,10 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     out = torch.zeros(batch, width - 1, dtype=torch.float32, device=sequences.device)
     entropy = torch.zeros_like(out) if with_entropy else None
     for pack in pack_rows(lengths, budget):
-        ids, positions, keep, targets, rows, cols = [], [], [], [], [], []
+        keep, targets, rows, cols = [], [], [], []
         offset = 0
         for row in pack:
             start, n = starts[row], lengths[row]
-            ids.append(sequences[row, start : start + n])
-            positions.append(torch.arange(n, device=sequences.device))
             # Column j (a real token at or after response_start, not the row's first) is scored by
             # the position before it: pack position offset + (j - 1 - start).
             first = min(max(start + 1, response_start), start + n)
@@ -123,8 +141,7 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
             offset += n
         index = torch.cat(keep)
         scores_nothing = index.numel() == 0
-        logits = model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
-                       attention_mask=_block_causal_mask([lengths[r] for r in pack], sequences.device),
+        logits = model(**_pack_inputs(sequences, starts, lengths, pack),
                        logits_to_keep=index.new_zeros(1) if scores_nothing else index, use_cache=False).logits[0]
         if scores_nothing:  # still a forward with a graph, as the padded path's (sharded ranks run as many)
             out = out + 0.0 * logits.float().sum()
@@ -147,11 +164,8 @@ def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
     starts, lengths = spans
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for pack in pack_rows(lengths, budget):
-        ids = torch.cat([sequences[r, starts[r] : starts[r] + lengths[r]] for r in pack])
-        positions = torch.cat([torch.arange(lengths[r], device=sequences.device) for r in pack])
         rows = torch.cat([torch.full((lengths[r],), r, device=sequences.device) for r in pack])
         cols = torch.cat([torch.arange(starts[r], starts[r] + lengths[r], device=sequences.device) for r in pack])
-        values = model(ids[None], _block_causal_mask([lengths[r] for r in pack], sequences.device),
-                       position_ids=positions[None])[0]
+        values = model(**_pack_inputs(sequences, starts, lengths, pack))[0]
         out = out.index_put((rows, cols), values.float())
     return out

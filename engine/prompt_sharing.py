@@ -19,6 +19,7 @@ from torch import nn
 
 from rlhf.engine.generation import accepts_logits_to_keep
 from rlhf.engine.logprobs import entropy_from_logits_chunked, logprobs_from_logits
+from rlhf.engine.micro_batches import column_span
 from rlhf.engine.positions import position_ids_from_mask
 
 
@@ -105,8 +106,7 @@ def shared_prompt_logprobs(model: nn.Module, sequences: torch.Tensor, attention_
 def padded_forward_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> int:
     """Tokens one padded forward over these rows runs (rows x width without all-padding columns),
     each shared prompt (first `shared_prefix` columns, rows that share them) counted once."""
-    used = attention_mask.bool().any(dim=0).nonzero()
-    lo, hi = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, attention_mask.shape[1])
+    lo, hi = column_span(attention_mask)
     groups = prompt_groups(sequences, attention_mask, shared_prefix) if shared_prefix > lo else None
     if groups is None:
         return attention_mask.shape[0] * (hi - lo)

@@ -65,9 +65,7 @@ from rlhf.engine.micro_batches import (
     column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
 )
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.packing import (
-    MAX_PACK_TOKENS, packed_logprobs, packed_values, packing_unsupported_reason, real_spans,
-)
+from rlhf.engine.packing import packed_logprobs, packed_values, packs_fewer_tokens
 from rlhf.engine.prompt_sharing import (
     padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
 )
@@ -565,12 +563,8 @@ class PPOTrainer:
         every rank), and fewer tokens than the padded forward (the rows' shared prompts, first
         `shared_prefix` columns, once)."""
         config = self.config
-        if not (config.pack_sequences and config.max_tokens_per_micro_batch):
-            return False
-        if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
-            return False
-        real = int(attention_mask.sum())
-        return real <= MAX_PACK_TOKENS and real < padded_forward_tokens(sequences, attention_mask, shared_prefix)
+        return bool(config.pack_sequences and config.max_tokens_per_micro_batch) and packs_fewer_tokens(
+            model, attention_mask, padded_forward_tokens(sequences, attention_mask, shared_prefix))
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global

@@ -22,7 +22,8 @@ from rlhf.data.formats import ParsedRow
 from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.tokenization import TokenizeStats, tokenize_sft
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.micro_batches import padded_tokens
+from rlhf.engine.packing import packed_logprobs, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
 from rlhf.models.loading import deferred_causal_lm, load_tokenizer
@@ -49,13 +50,9 @@ def packed_sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     labels = batch["labels"].to(ids.device)
     scored = labels != IGNORE_INDEX
     scored[:, 0] = False  # the first column is nobody's next token
-    real = int(mask.sum())
-    lo_hi = mask.bool().any(dim=0).nonzero()
-    padded = mask.shape[0] * (int(lo_hi[-1]) + 1 - int(lo_hi[0])) if lo_hi.numel() else 0
-    if (packing_unsupported_reason(model) is not None or real_spans(mask) is None or real > MAX_PACK_TOKENS
-            or real >= padded or not torch.equal(labels[scored], ids[scored])):
+    if not packs_fewer_tokens(model, mask, padded_tokens(mask)) or not torch.equal(labels[scored], ids[scored]):
         return sft_loss(model, batch)
-    logprobs, _ = packed_logprobs(model, ids, mask, 0, real, columns=scored)
+    logprobs, _ = packed_logprobs(model, ids, mask, 0, int(mask.sum()), columns=scored)
     target = scored[:, 1:]  # position t scores column t + 1
     return -logprobs[target].sum(), float(target.sum()), {}
 

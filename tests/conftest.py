@@ -116,6 +116,24 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLHF_FORCE_CPU", "1")
 
 
+RAGGED_PROMPT = 6
+"""The prompt block's width in `ragged_batch`."""
+
+
+def ragged_batch(rows: int = 7, width: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (1-6 real tokens) and responses of 1-14 tokens then padding, as rollouts are."""
+    gen = torch.Generator().manual_seed(0)
+    sequences = torch.randint(4, 90, (rows, width), generator=gen)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for i in range(rows):
+        prompt = 1 + i % RAGGED_PROMPT
+        response = 1 + (5 * i) % (width - RAGGED_PROMPT)
+        mask[i, RAGGED_PROMPT - prompt : RAGGED_PROMPT + response] = 1
+    sequences[mask == 0] = 0
+    mask[:, -3:] = 0  # three columns of padding in every row
+    return sequences, mask
+
+
 def tiny_actor_and_reward(root: Path) -> tuple[Path, Path]:
     """A tiny GQA Llama actor and a reward model made from it (random head, std 0.5), for the 2-rank PPO tests."""
     from rlhf.models.loading import load_tokenizer

@@ -14,22 +14,8 @@ from rlhf.engine.prompt_sharing import response_logprobs
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model
 from rlhf.models.value_model import ValueModel
 from rlhf.stages.experience import Experience
-
-PROMPT = 6
-
-
-def ragged_batch(rows: int = 7, width: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (1-6 real tokens) and responses of 1-14 tokens then padding, as rollouts are."""
-    gen = torch.Generator().manual_seed(0)
-    sequences = torch.randint(4, 90, (rows, width), generator=gen)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for i in range(rows):
-        prompt = 1 + i % PROMPT
-        response = 1 + (5 * i) % (width - PROMPT)
-        mask[i, PROMPT - prompt : PROMPT + response] = 1
-    sequences[mask == 0] = 0
-    mask[:, -3:] = 0  # three columns of padding in every row
-    return sequences, mask
+from tests.conftest import RAGGED_PROMPT as PROMPT
+from tests.conftest import ragged_batch
 
 
 def test_column_span_and_sorted_micro_batches() -> None:

@@ -13,20 +13,9 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.packing import pack_rows, packed_logprobs, packing_unsupported_reason, real_spans
 from rlhf.models.loading import load_causal_lm
+from tests.conftest import RAGGED_PROMPT as PROMPT
+from tests.conftest import ragged_batch
 
-PROMPT = 6
-
-
-def rollout_batch(rows: int = 6, width: int = 18) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts of 3-6 tokens, responses of 1 to width - PROMPT tokens, right padding."""
-    gen = torch.Generator().manual_seed(0)
-    sequences = torch.randint(3, 50, (rows, width), generator=gen)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for r in range(rows):
-        prompt = 3 + r % 4
-        response = 1 + (5 * r + 3) % (width - PROMPT)
-        mask[r, PROMPT - prompt : PROMPT + response] = 1
-    return sequences * mask, mask
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -35,7 +24,7 @@ def rollout_batch(rows: int = 6, width: int = 18) -> tuple[torch.Tensor, torch.T
 def test_packed_logprobs_match_the_padded_forward(tiny_model_dirs, family, budget):
     model = load_causal_lm(str(tiny_model_dirs[family])).float().eval()
     assert packing_unsupported_reason(model) is None
-    sequences, mask = rollout_batch()
+    sequences, mask = ragged_batch()
     with torch.no_grad():
         padded = causal_lm_logprobs(model, sequences, mask)[0]
         packed = packed_logprobs(model, sequences, mask, PROMPT, budget)[0]
@@ -54,7 +43,7 @@ def test_packed_forward_runs_the_fused_attention_on_the_block_mask(tiny_model_di
     real = fused_layers._FusedAttention.apply
     monkeypatch.setattr(fused_layers._FusedAttention, "apply",
                         lambda q, k, v, m, *rest: calls.append(tuple(m.shape)) or real(q, k, v, m, *rest))
-    sequences, mask = rollout_batch()
+    sequences, mask = ragged_batch()
     with torch.no_grad():
         packed = packed_logprobs(model, sequences, mask, PROMPT, 4096)[0]
         padded = causal_lm_logprobs(model, sequences, mask)[0]
@@ -66,11 +55,11 @@ def test_packed_forward_runs_the_fused_attention_on_the_block_mask(tiny_model_di
 
 
 def test_spans_and_packs() -> None:
-    _, mask = rollout_batch()
+    _, mask = ragged_batch()
     starts, lengths = real_spans(mask)
     assert lengths == mask.sum(1).tolist() and all(mask[r, s] == 1 for r, s in enumerate(starts))
     holes = mask.clone()
-    holes[0, PROMPT] = 0  # a row with a hole is not one run
+    holes[2, PROMPT] = 0  # a row with a hole is not one run
     assert real_spans(holes) is None
     packs = pack_rows([5, 9, 0, 3, 7, 12], budget=12)
     assert sorted(r for p in packs for r in p) == [0, 1, 3, 4, 5]  # the empty row is left out
@@ -103,7 +92,7 @@ def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, m
     real = inference.packed_logprobs
     monkeypatch.setattr(inference, "packed_logprobs", lambda *a: packed_calls.append(1) or real(*a))
     # Groups of 2 sharing a prompt, responses of very different lengths: packing runs fewer tokens.
-    sequences, mask = rollout_batch(rows=6, width=40)
+    sequences, mask = ragged_batch(rows=6, width=40)
     pairs = torch.tensor([0, 0, 2, 2, 4, 4])
     sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[pairs, :PROMPT], mask[pairs, :PROMPT]
     padded = frozen.logprobs(sequences, mask, shared_prefix=PROMPT, response_start=PROMPT)
@@ -128,7 +117,7 @@ def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, famil
     from rlhf.engine.prompt_sharing import response_logprobs
 
     model = load_causal_lm(str(tiny_model_dirs[family])).float()
-    sequences, mask = rollout_batch()
+    sequences, mask = ragged_batch()
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()
     scored[:, : PROMPT - 1] = False
     weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
@@ -179,7 +168,7 @@ def test_a_pack_that_scores_nothing_still_runs_one_forward_with_a_graph(tiny_mod
     """Rows with no token at or after response_start: the forward runs (sharded ranks must run as many
     as the others) and its zero log-probs still back-propagate (zero gradients), as the padded path's."""
     model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
-    sequences, mask = rollout_batch()
+    sequences, mask = ragged_batch()
     logprobs, _ = packed_logprobs(model, sequences, mask, sequences.shape[1] + 5, int(mask.sum()))
     assert not bool(logprobs.any()) and logprobs.requires_grad
     logprobs.sum().backward()
@@ -195,7 +184,7 @@ def test_packed_values_match_the_padded_value_model(tiny_model_dirs, family):
     from rlhf.models.value_model import ValueModel
 
     critic = ValueModel.from_causal_lm_dir(tiny_model_dirs[family], head_init_std=0.5).float()
-    sequences, mask = rollout_batch()
+    sequences, mask = ragged_batch()
     real = mask.bool()
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * real
     padded = critic(sequences, mask)

@@ -21,7 +21,7 @@ from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dt
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches, length_sorted_micro_batches, padded_tokens
-from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packs_fewer_tokens
+from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packed_scores, packs_fewer_tokens
 from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, shared_prompt_logprobs
 from rlhf.logging import get_logger
 
@@ -105,9 +105,12 @@ class FrozenModel:
         return packs_fewer_tokens(self.model, attention_mask, padded)
 
     @torch.no_grad()
-    def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0) -> torch.Tensor:
         """Sequence scores ([B]) of a value/reward model at each row's last real token (micro-batches
-        of rows of similar length, without their all-padding columns)."""
+        of rows of similar length, without their all-padding columns). With `pack_budget` > 0 the
+        rows' real tokens run packed (`packed_scores`) where that runs fewer tokens, as `logprobs`."""
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, 0):
+            return packed_scores(self.model, sequences, attention_mask, min(pack_budget, MAX_PACK_TOKENS))
         return forward_in_micro_batches(
             lambda s, m, lo: self.model.score(s, m, position_ids=position_ids_from_mask(m)), sequences,
             attention_mask, self.micro_batch_size).float()

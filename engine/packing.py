@@ -1,6 +1,7 @@
 """Padding-free forwards: the real tokens of several rows packed end to end into one sequence.
 
     logprobs = packed_logprobs(model, sequences, attention_mask, response_start, budget=4096)
+    values = packed_values(value_model, sequences, attention_mask, budget=4096)   # scores: packed_scores
 
 Rows of a rollout batch are [left-padded prompt | response | right padding]; a padded forward
 runs every row to the batch's (or micro-batch's) width. Here each row's real tokens (one
@@ -18,12 +19,14 @@ differ in how they take a 4D mask, so they keep the padded forward (`packing_uns
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packed_values",
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packed_scores", "packed_values",
            "packing_unsupported_reason", "packs_fewer_tokens", "real_spans"]
 
 MAX_PACK_TOKENS = 4096
@@ -153,19 +156,39 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     return out, entropy
 
 
+def _value_pack_forwards(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
+                         caller: str) -> Iterator[tuple[list[int], list[int], list[int], torch.Tensor]]:
+    """(pack rows, first real column of every row, real tokens of every row, the value model's
+    values [N] over the pack's tokens) for each pack of the rows' real tokens."""
+    spans = real_spans(attention_mask)
+    if spans is None:
+        raise ValueError(f"{caller}: a row's real tokens are not one contiguous run of columns")
+    starts, lengths = spans
+    for pack in pack_rows(lengths, budget):
+        yield pack, starts, lengths, model(**_pack_inputs(sequences, starts, lengths, pack))[0]
+
+
 def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
     """Per-token values [B, T] (float32) of a value model (`ValueModel`: forward(input_ids,
     attention_mask, position_ids) -> [B, T]) from forwards over packs of the rows' real tokens, as
     `packed_logprobs` packs them; positions outside the rows' real tokens are 0 (the padded
     forward's mean nothing). Differentiable; a ValueError where a row's real tokens are not one run."""
-    spans = real_spans(attention_mask)
-    if spans is None:
-        raise ValueError("packed_values: a row's real tokens are not one contiguous run of columns")
-    starts, lengths = spans
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
-    for pack in pack_rows(lengths, budget):
+    for pack, starts, lengths, values in _value_pack_forwards(model, sequences, attention_mask, budget, "packed_values"):
         rows = torch.cat([torch.full((lengths[r],), r, device=sequences.device) for r in pack])
         cols = torch.cat([torch.arange(starts[r], starts[r] + lengths[r], device=sequences.device) for r in pack])
-        values = model(**_pack_inputs(sequences, starts, lengths, pack))[0]
         out = out.index_put((rows, cols), values.float())
+    return out
+
+
+def packed_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
+    """Sequence scores [B] (float32) of a value / reward model, each row's value at its last real
+    token (`ValueModel.score`), from forwards over packs of the rows' real tokens. Differentiable;
+    a ValueError where a row has no real token or its real tokens are not one run."""
+    if bool((attention_mask.sum(dim=1) == 0).any()):
+        raise ValueError("packed_scores: a row has no real token to score")
+    out = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
+    for pack, _, lengths, values in _value_pack_forwards(model, sequences, attention_mask, budget, "packed_scores"):
+        last = torch.tensor([lengths[r] for r in pack], device=sequences.device).cumsum(0) - 1
+        out = out.index_put((torch.tensor(pack, device=sequences.device),), values[last].float())
     return out

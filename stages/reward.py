@@ -35,6 +35,8 @@ from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.formats import ParsedRow
 from rlhf.data.tokenization import TokenizeStats, tokenize_pairs
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.micro_batches import padded_tokens
+from rlhf.engine.packing import packed_scores, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
@@ -53,17 +55,24 @@ EQUAL_PAIRS_KEY = "dropped_chosen_equals_rejected"
 
 
 def reward_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, moments: bool = False
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, moments: bool = False, pack: bool = False
 ) -> tuple[torch.Tensor, float, dict[str, float]]:
     """Pairwise loss SUMMED over the batch's pairs, the pair count, and metric sums.
 
     `batch` holds the chosen sequences then the rejected ones (`collate_pairs`). The metric sums
     are `accuracy` (pairs ranked right), `chosen_score` and `rejected_score`, plus `score_sq`
-    (sum of squared scores of both responses) when `moments` is set, for the score std.
+    (sum of squared scores of both responses) when `moments` is set, for the score std. With
+    `pack` the scores come from one packed forward over the sequences' real tokens
+    (engine/packing.py) where the model packs, they hold at most MAX_PACK_TOKENS real tokens and
+    that is fewer than the padded forward's.
     """
     # Inputs go to the compute device explicitly: with offload the params live on the CPU.
     batch = {k: v.to(device) for k, v in batch.items()}
-    scores = model.score(batch["input_ids"], batch["attention_mask"])
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if pack and packs_fewer_tokens(model, mask, padded_tokens(mask)):
+        scores = packed_scores(model, ids, mask, int(mask.sum()))
+    else:
+        scores = model.score(ids, mask)
     n = scores.shape[0] // 2
     chosen, rejected = scores[:n], scores[n:]
     loss, _ = pairwise_reward_loss(chosen, rejected, batch["margin"])
@@ -101,11 +110,13 @@ def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], li
 
 def final_evaluation(
     engine: TrainEngine, train_rows: list[dict], held_out: dict[str, float] | None,
-    collate: Callable[[list[dict]], dict[str, torch.Tensor]], tracker: Tracker,
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]], tracker: Tracker, pack: bool,
 ) -> dict[str, Any]:
     """One pass over the training pairs after training: the score statistics PPO normalises
-    rewards with, and the evaluation metrics too when no pairs were held out (`held_out` None)."""
-    train_pass = evaluate(engine, train_rows, collate, partial(reward_loss, device=engine.ctx.device, moments=True),
+    rewards with, and the evaluation metrics too when no pairs were held out (`held_out` None).
+    `pack`: scores from packed forwards (`reward_loss`)."""
+    train_pass = evaluate(engine, train_rows, collate,
+                          partial(reward_loss, device=engine.ctx.device, moments=True, pack=pack),
                           progress="reward: score statistics")
     stats = score_statistics(train_pass)
     eval_on_train = held_out is None
@@ -150,7 +161,8 @@ def run(config: RewardConfig) -> dict[str, Any]:
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         return collate_pairs(rows, tokenizer.pad_token_id)
 
-    loss_fn = partial(reward_loss, device=ctx.device)
+    pack = bool(config.pack_sequences and config.max_tokens_per_micro_batch)
+    loss_fn = partial(reward_loss, device=ctx.device, pack=pack)
 
     def eval_fn() -> dict[str, float]:
         return evaluate(engine, eval_rows, collate, loss_fn)
@@ -161,7 +173,8 @@ def run(config: RewardConfig) -> dict[str, Any]:
         row_lengths=lambda row: [len(row["chosen_ids"]), len(row["rejected_ids"])],
     )
 
-    evaluation = final_evaluation(engine, train_rows, result.eval_metrics if eval_rows else None, collate, tracker)
+    evaluation = final_evaluation(engine, train_rows, result.eval_metrics if eval_rows else None, collate, tracker,
+                                  pack)
     export_trained_model(engine, output / "model", tokenizer, config.lora)
 
     summary = {

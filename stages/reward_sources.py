@@ -75,7 +75,8 @@ class RewardModelSource:
     With `tokenizer` set (the reward model's own, when it differs from the actor's), the rollout
     ids are not scored: each prompt's messages and decoded response are rendered again in the
     reward model's tokenizer and template, cut to `max_len` tokens from the left (`truncated`
-    counts those cuts, for the metrics)."""
+    counts those cuts, for the metrics). `pack_budget` > 0: the scores' forwards run packed
+    (`FrozenModel.scores`)."""
 
     model: FrozenModel
     normalization: tuple[float, float] | None = None
@@ -83,14 +84,15 @@ class RewardModelSource:
     max_len: int = 0
     truncated: int = 0
     name: str = REWARD_MODEL
+    pack_budget: int = 0
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
               responses: list[str], fields: Fields = None) -> torch.Tensor:
         if self.tokenizer is None:
-            return self.model.scores(sequences, attention_mask)
+            return self.model.scores(sequences, attention_mask, self.pack_budget)
         ids, mask, truncated = retokenize_for_reward(prompts, responses, self.tokenizer, self.max_len)
         self.truncated += truncated
-        return self.model.scores(ids.to(sequences.device), mask.to(sequences.device))
+        return self.model.scores(ids.to(sequences.device), mask.to(sequences.device), self.pack_budget)
 
 
 @dataclass
@@ -242,7 +244,8 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
                         config.engine.micro_batch_size, "reward", compile=config.engine.compile, weights=weights,
                         fused_layers=config.engine.fused_layers)
     return RewardModelSource(model, reward_statistics(config.reward, config.normalize_reward),
-                             reward_tok if retokenize else None, config.max_prompt_len + config.max_new_tokens)
+                             reward_tok if retokenize else None, config.max_prompt_len + config.max_new_tokens,
+                             pack_budget=config.max_tokens_per_micro_batch if config.pack_sequences else 0)
 
 
 __all__ = [

@@ -198,3 +198,34 @@ def test_packed_values_match_the_padded_value_model(tiny_model_dirs, family):
         assert not bool(packed[~real].any())
         for p, g in zip(critic.parameters(), want):
             torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_packed_scores_match_the_padded_reward_model(tiny_model_dirs, ctx):
+    """Sequence scores (a reward model's, at each row's last real token) and their gradients from
+    packed forwards equal `ValueModel.score`'s; FrozenModel.scores packs with a token budget where
+    that runs fewer tokens; a row without real tokens is an error."""
+    from rlhf.engine.inference import FrozenModel
+    from rlhf.engine.packing import packed_scores
+    from rlhf.models.value_model import ValueModel
+
+    scorer = ValueModel.from_causal_lm_dir(tiny_model_dirs["qwen2"], head_init_std=0.5).float()
+    sequences, mask = ragged_batch()
+    weights = torch.rand(len(sequences), generator=torch.Generator().manual_seed(5))
+    padded = scorer.score(sequences, mask)
+    (padded * weights).sum().backward()
+    want = [p.grad.clone() for p in scorer.parameters()]
+    for budget in (1, int(mask.sum())):
+        scorer.zero_grad()
+        packed = packed_scores(scorer, sequences, mask, budget)
+        (packed * weights).sum().backward()
+        torch.testing.assert_close(packed, padded.detach(), atol=2e-5, rtol=1e-5)
+        for p, g in zip(scorer.parameters(), want):
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    frozen = FrozenModel(scorer, ctx, zero_stage=3, dtype="fp32", offload=False, micro_batch_size=64, name="reward")
+    assert frozen._packs_fewer_tokens(sequences, mask, 0)
+    torch.testing.assert_close(frozen.scores(sequences, mask, pack_budget=64), padded.detach(), atol=2e-5, rtol=1e-5)
+    empty = mask.clone()
+    empty[0] = 0
+    with pytest.raises(ValueError, match="no real token"):
+        packed_scores(scorer, sequences, empty, 64)

@@ -11,6 +11,7 @@ from rlhf.cli import main
 from rlhf.engine.generation import generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.sampling import SamplingParams
+from rlhf.models.loading import load_tokenizer
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model
 from tests.conftest import read_metrics, write_jsonl
 
@@ -133,23 +134,30 @@ def test_token_budget_micro_batches_train_as_one_micro_batch(tiny_model_dirs, pr
 
 
 def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path, monkeypatch) -> None:
-    """A budget that holds the whole minibatch of left-padded rows: the actor's, the critic's and the
-    reference model's forwards run packed (--pack-sequences) and the steps are the padded ones."""
+    """A budget that holds the whole minibatch of left-padded rows: the actor's, the critic's, the
+    reference model's and the reward model's forwards run packed (--pack-sequences) and the steps
+    are the padded ones."""
     from rlhf.engine import inference
     from rlhf.stages import ppo
 
-    calls = {"actor": 0, "ref": 0, "critic": 0}
+    calls = {"actor": 0, "ref": 0, "critic": 0, "reward": 0}
     for module, name, key in ((ppo, "packed_logprobs", "actor"), (inference, "packed_logprobs", "ref"),
-                              (ppo, "packed_values", "critic")):
+                              (ppo, "packed_values", "critic"), (inference, "packed_scores", "reward")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, real=real, key=key, **k: calls.__setitem__(key, calls[key] + 1) or real(*a, **k))
+    from rlhf.models.value_model import ValueModel
+
     model = tiny_model_dirs["llama"]
-    fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8", "--max-tokens-per-micro-batch", "400")
+    reward_model = tmp_path / "rm"
+    ValueModel.from_causal_lm_dir(model, head_init_std=0.5).save_pretrained(reward_model)
+    load_tokenizer(str(model)).save_pretrained(reward_model)
+    fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8", "--max-tokens-per-micro-batch", "400",
+             "--reward", str(reward_model))
     padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences")
-    assert calls == {"actor": 0, "ref": 0, "critic": 0}
+    assert calls == {"actor": 0, "ref": 0, "critic": 0, "reward": 0}
     packed = _ppo(model, prompts, tmp_path / "packed", *fixed)
-    assert calls["actor"] > 0 and calls["ref"] > 0 and calls["critic"] > 0
+    assert all(calls.values()), calls
     for a, b in zip(packed, padded):
         for key in ("critic_grad_norm", "actor_grad_norm", "kl", "score_mean", "policy_loss", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

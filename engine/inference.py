@@ -94,7 +94,8 @@ class FrozenModel:
     def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> bool:
         """A packed forward applies (the model packs, each row's real tokens are one run, and it is
         not sharded: FSDP2 needs as many forwards on every rank, and packs differ between ranks) and
-        runs fewer tokens than the padded micro-batches would (each shared prompt counted once)."""
+        runs fewer tokens than the padded micro-batches would (each shared prompt counted once); as
+        many packs of the budget as the rows need."""
         if isinstance(self.model, FSDPModule):
             return False
         if shared_prefix > 0:
@@ -102,7 +103,7 @@ class FrozenModel:
         else:
             padded = sum(padded_tokens(attention_mask[rows])
                          for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
-        return packs_fewer_tokens(self.model, attention_mask, padded)
+        return packs_fewer_tokens(self.model, attention_mask, padded, one_forward=False)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "packed_logprobs", "packed_scores", "packed_values",
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "forward_tokens", "pack_rows", "packed_logprobs", "packed_scores", "packed_values",
            "packing_unsupported_reason", "packs_fewer_tokens", "real_spans"]
 
 MAX_PACK_TOKENS = 4096
@@ -48,14 +48,24 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def packs_fewer_tokens(model: nn.Module, attention_mask: torch.Tensor, padded_tokens: int) -> bool:
+def packs_fewer_tokens(model: nn.Module, attention_mask: torch.Tensor, padded_tokens: int,
+                       one_forward: bool = True) -> bool:
     """A packed forward over these rows applies and pays: the model packs, each row's real tokens
-    are one run, at most MAX_PACK_TOKENS of them (one forward), fewer than the `padded_tokens` the
-    padded forward would run."""
+    are one run, fewer than the `padded_tokens` the padded forward would run, and (`one_forward`:
+    a trained model's micro-batch is one forward on every rank) at most MAX_PACK_TOKENS of them."""
     if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
         return False
     real = int(attention_mask.sum())
-    return real <= MAX_PACK_TOKENS and real < padded_tokens
+    return forward_tokens(real, padded_tokens, packs=True, one_forward=one_forward) < padded_tokens
+
+
+def forward_tokens(real: int, padded: int, packs: bool, one_forward: bool = True) -> int:
+    """The tokens a forward over rows of `real` real and `padded` padded tokens runs: `real` where
+    it runs packed (`packs`: the model packs and the rows' real tokens are runs; fewer than
+    `padded`; at most MAX_PACK_TOKENS for `one_forward`), else `padded`."""
+    if packs and real < padded and (real <= MAX_PACK_TOKENS or not one_forward):
+        return real
+    return padded
 
 
 def real_spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]] | None:

@@ -27,6 +27,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition
+from rlhf.engine.packing import forward_tokens, packing_unsupported_reason
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
@@ -258,15 +259,17 @@ RowLengths = Callable[[Any], list[int]]
 
 
 def budget_micro_batches(rows: list[Any], row_lengths: RowLengths, budget: int,
-                         ctx: DistributedContext) -> list[list[Any]]:
+                         ctx: DistributedContext, packed: bool = False) -> list[list[Any]]:
     """This rank's rows of a step regrouped by length (longest first) into micro-batches of at
-    most `budget` padded tokens (sequences x the longest), as many as the rank that needs the
-    most (every rank runs the same number of forwards)."""
+    most `budget` padded tokens (sequences x the longest), or with `packed` (the loss runs packed
+    forwards where that is fewer tokens) of what their forward runs (`forward_tokens`), as many as
+    the rank that needs the most (every rank runs the same number of forwards)."""
     lengths = [row_lengths(r) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: -max(lengths[i]))
 
     def cost(items: list[int]) -> int:
-        return sum(len(lengths[i]) for i in items) * max(max(lengths[i]) for i in items)
+        padded = sum(len(lengths[i]) for i in items) * max(max(lengths[i]) for i in items)
+        return forward_tokens(sum(sum(lengths[i]) for i in items), padded, packed)
 
     count = int(ctx.all_reduce_max(torch.tensor(len(budget_partition(order, cost, budget)))))
     return [[rows[i] for i in part] for part in budget_partition(order, cost, budget, count)]
@@ -274,13 +277,15 @@ def budget_micro_batches(rows: list[Any], row_lengths: RowLengths, budget: int,
 
 def train_step(
     engine: TrainEngine, ctx: DistributedContext, micro_batches: list[list[Any]], collate: Callable[[list[Any]], Batch],
-    loss_fn: LossFn, epoch: int, budget: int = 0, row_lengths: RowLengths | None = None,
+    loss_fn: LossFn, epoch: int, budget: int = 0, row_lengths: RowLengths | None = None, packed: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches (rows; regrouped by `budget_micro_batches`
-    when `budget` > 0); the step's metrics, reduced over ranks."""
+    when `budget` > 0, `packed`: by what the loss's packed forwards run); the step's metrics,
+    reduced over ranks."""
     t0 = time.perf_counter()
     if budget and row_lengths is not None:
-        micro_batches = budget_micro_batches([r for rows in micro_batches for r in rows], row_lengths, budget, ctx)
+        micro_batches = budget_micro_batches([r for rows in micro_batches for r in rows], row_lengths, budget, ctx,
+                                             packed)
     engine.set_grad_accum(len(micro_batches))
     batches = [collate(rows) for rows in micro_batches]
     scale = len(micro_batches) * ctx.world_size
@@ -354,12 +359,14 @@ def run_training(
     memory = PhaseMemory(ctx.device)  # peak_mem_gb_train / _eval (engine/memory.py)
     started = time.perf_counter()
     epoch = start_epoch
+    # The losses pack their forwards where that runs fewer tokens (sft, reward with --pack-sequences).
+    packed = config.pack_sequences and packing_unsupported_reason(engine.model) is None
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]
             with memory.phase("train"):
                 metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch,
-                                     config.max_tokens_per_micro_batch, row_lengths)
+                                     config.max_tokens_per_micro_batch, row_lengths, packed)
             metrics.update(memory.metrics(ctx.all_reduce_max))
             gs = engine.global_step
             result.last_metrics = metrics

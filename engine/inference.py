@@ -81,7 +81,7 @@ class FrozenModel:
         the model packs and that runs fewer tokens than the padded micro-batches."""
         if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix):
             return packed_logprobs(self.model, sequences, attention_mask, response_start,
-                                   min(pack_budget, MAX_PACK_TOKENS))[0]
+                                   min(pack_budget, MAX_PACK_TOKENS), shared_prefix=shared_prefix)[0]
         if shared_prefix > 0:
             def forward(s: torch.Tensor, m: torch.Tensor, lo: int) -> torch.Tensor:
                 return shared_prompt_logprobs(self.model, s, m, shared_prefix - lo)[0]
@@ -103,7 +103,7 @@ class FrozenModel:
         else:
             padded = sum(padded_tokens(attention_mask[rows])
                          for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
-        return packs_fewer_tokens(self.model, attention_mask, padded, one_forward=False)
+        return packs_fewer_tokens(self.model, sequences, attention_mask, padded, shared_prefix, one_forward=False)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0) -> torch.Tensor:

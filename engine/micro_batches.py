@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf.engine.packing import forward_tokens, real_spans
+__all__ = ["MAX_PACK_TOKENS", "budget_partition", "column_span", "forward_in_micro_batches", "forward_tokens",
+           "length_sorted_micro_batches", "micro_batch_weights", "padded_tokens", "real_spans",
+           "token_budget_micro_batches"]
 
-__all__ = ["budget_partition", "column_span", "forward_in_micro_batches", "length_sorted_micro_batches", "micro_batch_weights",
-           "padded_tokens", "token_budget_micro_batches"]
+MAX_PACK_TOKENS = 4096
+"""Most tokens one packed forward runs (engine/packing.py): its mask is [N, N] bytes (16 MiB at 4096)."""
 
 
 def column_span(attention_mask: torch.Tensor) -> tuple[int, int]:
@@ -65,6 +67,28 @@ def forward_in_micro_batches(fn: Callable[[torch.Tensor, torch.Tensor, int], tor
             out[rows, lo : lo + part.shape[1]] = part
     assert out is not None
     return out
+
+
+def real_spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(first real column, number of real tokens) of each row, or None when some row's real tokens
+    are not one contiguous run of columns."""
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    starts = torch.where(lengths > 0, real.int().argmax(dim=1), torch.zeros_like(lengths))
+    columns = torch.arange(real.shape[1], device=real.device)
+    inside = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
+    if not torch.equal(inside, real):
+        return None
+    return starts.tolist(), lengths.tolist()
+
+
+def forward_tokens(real: int, padded: int, packs: bool, one_forward: bool = True) -> int:
+    """The tokens a forward over rows of `real` real and `padded` padded tokens runs: `real` where
+    it runs packed (`packs`: the model packs and the rows' real tokens are runs; fewer than
+    `padded`; at most MAX_PACK_TOKENS for `one_forward`), else `padded`."""
+    if packs and real < padded and (real <= MAX_PACK_TOKENS or not one_forward):
+        return real
+    return padded
 
 
 def padded_tokens(attention_mask: torch.Tensor) -> int:

@@ -1,16 +1,25 @@
 """Padding-free forwards: the real tokens of several rows packed end to end into one sequence.
 
     logprobs = packed_logprobs(model, sequences, attention_mask, response_start, budget=4096)
+    logprobs = packed_logprobs(model, ..., shared_prefix=response_start)   # sampled groups' prompts shared
     values = packed_values(value_model, sequences, attention_mask, budget=4096)   # scores: packed_scores
 
 Rows of a rollout batch are [left-padded prompt | response | right padding]; a padded forward
 runs every row to the batch's (or micro-batch's) width. Here each row's real tokens (one
 contiguous run of columns) are laid end to end into packs of at most `budget` tokens (first fit,
-longest rows first), positions restarting at 0 for each row and a block-diagonal causal mask
-keeping the rows apart, so a forward runs only real tokens (the fused attention kernel reads such
-a mask as one span of keys per query: nothing is computed across rows). The LM head runs only at
-the positions that score columns response_start.. . The log-probs are those of the padded
-forward up to float rounding (tests/test_packing.py).
+longest first), positions restarting at 0 for each row and a mask keeping the rows apart, so a
+forward runs only real tokens. The LM head runs only at the positions that score columns
+response_start.. . The log-probs are those of the padded forward up to float rounding
+(tests/test_packing.py).
+
+Two rows of a sampled group (the same first `shared_prefix` columns: one prompt) are packed as one
+unit that runs their prompt once: [first response, its tokens in reverse order | prompt | second
+response]. The mask is not causal in pack order, it follows each token's own row: a prompt token
+sees the prompt up to itself, a response token the prompt and its own response up to itself, and
+both of those are one contiguous run of the pack (the first response is reversed for that), which
+is what the fused attention kernels read as one span of keys per query: nothing is computed across
+rows. The prompt's last position scores both responses' first tokens. (A group of 4 runs its
+prompt twice instead of four times.)
 
 Applies to decoder-only models whose positions come from `position_ids` (RoPE: the Llama, Qwen2
 and Mistral families); OPT derives positions from the attention mask and GPT-2 checkpoints
@@ -20,17 +29,17 @@ differ in how they take a 4D mask, so they keep the padded forward (`packing_uns
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
+from rlhf.engine.micro_batches import MAX_PACK_TOKENS, forward_tokens, real_spans
+from rlhf.engine.prompt_sharing import prompt_groups
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "forward_tokens", "pack_rows", "packed_logprobs", "packed_scores", "packed_values",
-           "packing_unsupported_reason", "packs_fewer_tokens", "real_spans"]
-
-MAX_PACK_TOKENS = 4096
-"""Largest pack the callers ask for: its mask is [N, N] bytes (16 MiB at 4096)."""
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "pack_units", "packed_logprobs", "packed_scores",
+           "packed_tokens", "packed_values", "packing_unsupported_reason", "packs_fewer_tokens"]
 
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 """Model types (config.model_type) whose packed forward equals the padded one."""
@@ -48,114 +57,169 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def packs_fewer_tokens(model: nn.Module, attention_mask: torch.Tensor, padded_tokens: int,
-                       one_forward: bool = True) -> bool:
+def packs_fewer_tokens(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, padded_tokens: int,
+                       shared_prefix: int = 0, one_forward: bool = True) -> bool:
     """A packed forward over these rows applies and pays: the model packs, each row's real tokens
-    are one run, fewer than the `padded_tokens` the padded forward would run, and (`one_forward`:
-    a trained model's micro-batch is one forward on every rank) at most MAX_PACK_TOKENS of them."""
+    are one run, the packs run fewer tokens than the `padded_tokens` the padded forward would
+    (`packed_tokens`: pairs of rows sharing their first `shared_prefix` columns run them once) and
+    (`one_forward`: a trained model's micro-batch is one forward on every rank) at most
+    MAX_PACK_TOKENS."""
     if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
         return False
-    real = int(attention_mask.sum())
+    real = packed_tokens(sequences, attention_mask, shared_prefix)
     return forward_tokens(real, padded_tokens, packs=True, one_forward=one_forward) < padded_tokens
 
 
-def forward_tokens(real: int, padded: int, packs: bool, one_forward: bool = True) -> int:
-    """The tokens a forward over rows of `real` real and `padded` padded tokens runs: `real` where
-    it runs packed (`packs`: the model packs and the rows' real tokens are runs; fewer than
-    `padded`; at most MAX_PACK_TOKENS for `one_forward`), else `padded`."""
-    if packs and real < padded and (real <= MAX_PACK_TOKENS or not one_forward):
-        return real
-    return padded
+@dataclass(frozen=True)
+class PackUnit:
+    """Rows packed together: one row, or two rows sharing their prompt (`prompt` real tokens)."""
+
+    rows: tuple[int, ...]
+    tokens: int
+    prompt: int = 0
 
 
-def real_spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """(first real column, number of real tokens) of each row, or None when some row's real tokens
-    are not one contiguous run of columns."""
-    real = attention_mask.bool()
-    lengths = real.sum(dim=1)
-    starts = torch.where(lengths > 0, real.int().argmax(dim=1), torch.zeros_like(lengths))
-    columns = torch.arange(real.shape[1], device=real.device)
-    inside = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
-    if not torch.equal(inside, real):
-        return None
-    return starts.tolist(), lengths.tolist()
+def pack_units(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> list[PackUnit]:
+    """The rows with real tokens as pack units: rows that share their first `shared_prefix`
+    columns (ids and mask) and hold real tokens there are paired, in row order within each prompt
+    (an odd one out is a unit of its own). A ValueError where a row's real tokens are not one run."""
+    spans = real_spans(attention_mask)
+    if spans is None:
+        raise ValueError("packing: a row's real tokens are not one contiguous run of columns")
+    starts, lengths = spans
+    groups = prompt_groups(sequences, attention_mask, shared_prefix)
+    waiting: dict[int, int] = {}  # prompt -> a row of it still unpaired
+    units: list[PackUnit] = []
+    for row in range(len(lengths)):
+        if lengths[row] == 0:
+            continue
+        prompt = min(shared_prefix - starts[row], lengths[row])
+        if groups is None or prompt < 1:
+            units.append(PackUnit((row,), lengths[row]))
+            continue
+        key = int(groups[2][row])
+        first = waiting.pop(key, None)
+        if first is None:
+            waiting[key] = row
+        else:
+            units.append(PackUnit((first, row), lengths[first] + lengths[row] - prompt, prompt))
+    units.extend(PackUnit((row,), lengths[row]) for row in waiting.values())
+    return units
+
+
+def packed_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> int:
+    """The tokens packed forwards over these rows run (`pack_units`)."""
+    return sum(unit.tokens for unit in pack_units(sequences, attention_mask, shared_prefix))
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
-    """Rows into packs whose lengths sum to at most `budget` (a longer row is a pack of its own):
-    first fit, longest rows first; rows without tokens are left out."""
+    """Items (rows, units) into packs whose lengths sum to at most `budget` (a longer item is a
+    pack of its own): first fit, longest first; items without tokens are left out."""
     if budget < 1:
         raise ValueError(f"pack budget must be >= 1 token, got {budget}")
     packs: list[list[int]] = []
     room: list[int] = []
-    for row in sorted((r for r in range(len(lengths)) if lengths[r] > 0), key=lambda r: -lengths[r]):
-        fit = next((i for i, free in enumerate(room) if free >= lengths[row]), None)
+    for item in sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -lengths[i]):
+        fit = next((i for i, free in enumerate(room) if free >= lengths[item]), None)
         if fit is None:
-            packs.append([row])
-            room.append(budget - lengths[row])
+            packs.append([item])
+            room.append(budget - lengths[item])
         else:
-            packs[fit].append(row)
-            room[fit] -= lengths[row]
+            packs[fit].append(item)
+            room[fit] -= lengths[item]
     return packs
 
 
-def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """[1, 1, N, N] boolean: each position sees the earlier positions of its own row, N = sum(lengths)."""
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                      torch.tensor(lengths, device=device))
-    total = segment.numel()
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
-    return (causal & (segment[:, None] == segment[None, :]))[None, None]
+@dataclass
+class _PackLayout:
+    """One pack's forward arguments and where each of its rows' real tokens sit in it."""
+
+    inputs: dict[str, torch.Tensor]
+    where: dict[int, torch.Tensor]  # row -> pack index of each of its real tokens, in column order
 
 
-def _pack_inputs(sequences: torch.Tensor, starts: list[int], lengths: list[int],
-                 pack: list[int]) -> dict[str, torch.Tensor]:
-    """A pack's forward arguments: its rows' real tokens end to end [1, N], positions restarting at
-    0 for each row, and the block-diagonal causal mask [1, 1, N, N]."""
+def _pack_layout(sequences: torch.Tensor, starts: list[int], lengths: list[int], units: list[PackUnit]) -> _PackLayout:
+    """The units' tokens end to end [1, N] (a pair: [reversed first response | prompt | second
+    response]), positions as in each row, and the mask [1, 1, N, N]: a token sees the tokens of its
+    own row (the pair's prompt belongs to both) at positions up to its own."""
     device = sequences.device
-    return {"input_ids": torch.cat([sequences[r, starts[r] : starts[r] + lengths[r]] for r in pack])[None],
-            "position_ids": torch.cat([torch.arange(lengths[r], device=device) for r in pack])[None],
-            "attention_mask": _block_causal_mask([lengths[r] for r in pack], device)}
+    ids, positions, unit_of, branch_of = [], [], [], []
+    where: dict[int, torch.Tensor] = {}
+    offset = 0
+    for u, unit in enumerate(units):
+        row, start = unit.rows[0], starts[unit.rows[0]]
+        if len(unit.rows) == 1:
+            parts = [(sequences[row, start : start + unit.tokens], torch.arange(unit.tokens, device=device), 0)]
+            where[row] = torch.arange(offset, offset + unit.tokens, device=device)
+        else:
+            prompt, second = unit.prompt, unit.rows[1]
+            mid = start + prompt  # the first response column
+            first_len, second_len = lengths[row] - prompt, lengths[second] - prompt
+            parts = [(sequences[row, mid : mid + first_len].flip(0),
+                      torch.arange(prompt, prompt + first_len, device=device).flip(0), 1),
+                     (sequences[row, start:mid], torch.arange(prompt, device=device), 0),
+                     (sequences[second, mid : mid + second_len], torch.arange(prompt, prompt + second_len, device=device), 2)]
+            prompt_at = torch.arange(offset + first_len, offset + first_len + prompt, device=device)
+            where[row] = torch.cat([prompt_at, torch.arange(offset + first_len - 1, offset - 1, -1, device=device)])
+            where[second] = torch.cat([prompt_at, torch.arange(offset + first_len + prompt, offset + unit.tokens,
+                                                               device=device)])
+        for tokens, pos, branch in parts:
+            ids.append(tokens)
+            positions.append(pos)
+            unit_of.append(torch.full_like(pos, u))
+            branch_of.append(torch.full_like(pos, branch))
+        offset += unit.tokens
+    pos, unit_ids, branch = torch.cat(positions), torch.cat(unit_of), torch.cat(branch_of)
+    mask = ((unit_ids[:, None] == unit_ids[None, :]) & (pos[None, :] <= pos[:, None])
+            & ((branch[None, :] == 0) | (branch[None, :] == branch[:, None])))
+    return _PackLayout({"input_ids": torch.cat(ids)[None], "position_ids": pos[None], "attention_mask": mask[None, None]},
+                       where)
+
+
+def _packs(sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
+           shared_prefix: int = 0) -> Iterator[_PackLayout]:
+    """The layouts of the packs of at most `budget` tokens the rows' units make (`pack_units`)."""
+    units = pack_units(sequences, attention_mask, shared_prefix)
+    starts, lengths = real_spans(attention_mask)  # type: ignore[misc]  (pack_units checked the runs)
+    for pack in pack_rows([unit.tokens for unit in units], budget):
+        yield _pack_layout(sequences, starts, lengths, [units[i] for i in pack])
 
 
 def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int,
-                    budget: int, with_entropy: bool = False,
-                    columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    budget: int, with_entropy: bool = False, columns: torch.Tensor | None = None,
+                    shared_prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-prob of each next token [B, T-1], position t scoring column t + 1; with `with_entropy`
     the entropy of each of those positions' distributions, else None) of a causal LM from forwards
     over packs of the rows' real tokens (one forward per pack: a budget of at least the rows' real
-    tokens is one forward). Positions before response_start - 1, and those that score padding, are
-    0. `columns` ([B, T] bool) scores those columns instead (SFT: the supervised ones; a row's first
-    real token is never scored). Differentiable. Rows whose real tokens are not contiguous are a
-    ValueError (the caller keeps the padded forward for them)."""
-    spans = real_spans(attention_mask)
-    if spans is None:
-        raise ValueError("packed_logprobs: a row's real tokens are not one contiguous run of columns")
-    starts, lengths = spans
+    tokens is one forward), pairs of rows that share their first `shared_prefix` columns running
+    them once. Positions before response_start - 1, and those that score padding, are 0. `columns`
+    ([B, T] bool) scores those columns instead (SFT: the supervised ones; a row's first real token
+    is never scored). Differentiable. Rows whose real tokens are not contiguous are a ValueError
+    (the caller keeps the padded forward for them)."""
     batch, width = sequences.shape
-    out = torch.zeros(batch, width - 1, dtype=torch.float32, device=sequences.device)
+    device = sequences.device
+    starts, _ = real_spans(attention_mask) or ([], [])
+    out = torch.zeros(batch, width - 1, dtype=torch.float32, device=device)
     entropy = torch.zeros_like(out) if with_entropy else None
-    for pack in pack_rows(lengths, budget):
+    for layout in _packs(sequences, attention_mask, budget, shared_prefix):
         keep, targets, rows, cols = [], [], [], []
-        offset = 0
-        for row in pack:
-            start, n = starts[row], lengths[row]
+        for row, at in layout.where.items():
+            start, n = starts[row], at.numel()
             # Column j (a real token at or after response_start, not the row's first) is scored by
-            # the position before it: pack position offset + (j - 1 - start).
-            first = min(max(start + 1, response_start), start + n)
-            scored = torch.arange(first, start + n, device=sequences.device)
-            if columns is not None:
-                scored = torch.arange(start + 1, start + n, device=sequences.device)
+            # the position of column j - 1.
+            if columns is None:
+                scored = torch.arange(min(max(start + 1, response_start), start + n), start + n, device=device)
+            else:
+                scored = torch.arange(start + 1, start + n, device=device)
                 scored = scored[columns[row, start + 1 : start + n]]
-            keep.append(offset + scored - 1 - start)
+            keep.append(at[scored - 1 - start])
             targets.append(sequences[row, scored])
             rows.append(torch.full_like(scored, row))
             cols.append(scored - 1)
-            offset += n
         index = torch.cat(keep)
         scores_nothing = index.numel() == 0
-        logits = model(**_pack_inputs(sequences, starts, lengths, pack),
-                       logits_to_keep=index.new_zeros(1) if scores_nothing else index, use_cache=False).logits[0]
+        logits = model(**layout.inputs, logits_to_keep=index.new_zeros(1) if scores_nothing else index,
+                       use_cache=False).logits[0]
         if scores_nothing:  # still a forward with a graph, as the padded path's (sharded ranks run as many)
             out = out + 0.0 * logits.float().sum()
             continue
@@ -166,28 +230,20 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     return out, entropy
 
 
-def _value_pack_forwards(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
-                         caller: str) -> Iterator[tuple[list[int], list[int], list[int], torch.Tensor]]:
-    """(pack rows, first real column of every row, real tokens of every row, the value model's
-    values [N] over the pack's tokens) for each pack of the rows' real tokens."""
-    spans = real_spans(attention_mask)
-    if spans is None:
-        raise ValueError(f"{caller}: a row's real tokens are not one contiguous run of columns")
-    starts, lengths = spans
-    for pack in pack_rows(lengths, budget):
-        yield pack, starts, lengths, model(**_pack_inputs(sequences, starts, lengths, pack))[0]
-
-
 def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
     """Per-token values [B, T] (float32) of a value model (`ValueModel`: forward(input_ids,
     attention_mask, position_ids) -> [B, T]) from forwards over packs of the rows' real tokens, as
     `packed_logprobs` packs them; positions outside the rows' real tokens are 0 (the padded
     forward's mean nothing). Differentiable; a ValueError where a row's real tokens are not one run."""
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
-    for pack, starts, lengths, values in _value_pack_forwards(model, sequences, attention_mask, budget, "packed_values"):
-        rows = torch.cat([torch.full((lengths[r],), r, device=sequences.device) for r in pack])
-        cols = torch.cat([torch.arange(starts[r], starts[r] + lengths[r], device=sequences.device) for r in pack])
-        out = out.index_put((rows, cols), values.float())
+    starts, _ = real_spans(attention_mask) or ([], [])
+    for layout in _packs(sequences, attention_mask, budget):
+        values = model(**layout.inputs)[0]
+        at = torch.cat(list(layout.where.values()))
+        rows = torch.cat([torch.full_like(index, row) for row, index in layout.where.items()])
+        cols = torch.cat([torch.arange(starts[row], starts[row] + index.numel(), device=index.device)
+                          for row, index in layout.where.items()])
+        out = out.index_put((rows, cols), values[at].float())
     return out
 
 
@@ -198,7 +254,9 @@ def packed_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
     if bool((attention_mask.sum(dim=1) == 0).any()):
         raise ValueError("packed_scores: a row has no real token to score")
     out = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
-    for pack, _, lengths, values in _value_pack_forwards(model, sequences, attention_mask, budget, "packed_scores"):
-        last = torch.tensor([lengths[r] for r in pack], device=sequences.device).cumsum(0) - 1
-        out = out.index_put((torch.tensor(pack, device=sequences.device),), values[last].float())
+    for layout in _packs(sequences, attention_mask, budget):
+        values = model(**layout.inputs)[0]
+        rows = list(layout.where)
+        last = torch.stack([layout.where[row][-1] for row in rows])
+        out = out.index_put((torch.tensor(rows, device=sequences.device),), values[last].float())
     return out

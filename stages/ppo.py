@@ -550,7 +550,7 @@ class PPOTrainer:
         forward where `packs` says so."""
         if self.packs(self.actor.model, sequences, attention_mask, response_start if share else 0):
             return packed_logprobs(self.actor.model, sequences, attention_mask, response_start,
-                                   int(attention_mask.sum()), with_entropy)
+                                   int(attention_mask.sum()), with_entropy, shared_prefix=response_start if share else 0)
         if share:
             return shared_prompt_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
         return response_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
@@ -561,10 +561,11 @@ class PPOTrainer:
         with a token budget): the model packs, each row's real tokens are one run, at most
         MAX_PACK_TOKENS of them (one forward, as the padded path: FSDP2 needs the same number on
         every rank), and fewer tokens than the padded forward (the rows' shared prompts, first
-        `shared_prefix` columns, once)."""
+        `shared_prefix` columns, once; packed, each prompt once per two rows)."""
         config = self.config
         return bool(config.pack_sequences and config.max_tokens_per_micro_batch) and packs_fewer_tokens(
-            model, attention_mask, padded_forward_tokens(sequences, attention_mask, shared_prefix))
+            model, sequences, attention_mask, padded_forward_tokens(sequences, attention_mask, shared_prefix),
+            shared_prefix)
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global

@@ -69,7 +69,7 @@ def reward_loss(
     # Inputs go to the compute device explicitly: with offload the params live on the CPU.
     batch = {k: v.to(device) for k, v in batch.items()}
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    if pack and packs_fewer_tokens(model, mask, padded_tokens(mask)):
+    if pack and packs_fewer_tokens(model, ids, mask, padded_tokens(mask)):
         scores = packed_scores(model, ids, mask, int(mask.sum()))
     else:
         scores = model.score(ids, mask)

@@ -50,7 +50,7 @@ def packed_sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     labels = batch["labels"].to(ids.device)
     scored = labels != IGNORE_INDEX
     scored[:, 0] = False  # the first column is nobody's next token
-    if not packs_fewer_tokens(model, mask, padded_tokens(mask)) or not torch.equal(labels[scored], ids[scored]):
+    if not packs_fewer_tokens(model, ids, mask, padded_tokens(mask)) or not torch.equal(labels[scored], ids[scored]):
         return sft_loss(model, batch)
     logprobs, _ = packed_logprobs(model, ids, mask, 0, int(mask.sum()), columns=scored)
     target = scored[:, 1:]  # position t scores column t + 1

@@ -26,8 +26,8 @@ from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.memory import PhaseMemory, record_baseline
-from rlhf.engine.micro_batches import budget_partition
-from rlhf.engine.packing import forward_tokens, packing_unsupported_reason
+from rlhf.engine.micro_batches import budget_partition, forward_tokens
+from rlhf.engine.packing import packing_unsupported_reason
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan

@@ -11,7 +11,8 @@ import torch
 from rlhf.engine import fused_layers
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import causal_lm_logprobs
-from rlhf.engine.packing import pack_rows, packed_logprobs, packing_unsupported_reason, real_spans
+from rlhf.engine.micro_batches import real_spans
+from rlhf.engine.packing import pack_rows, packed_logprobs, packing_unsupported_reason
 from rlhf.models.loading import load_causal_lm
 from tests.conftest import RAGGED_PROMPT as PROMPT
 from tests.conftest import ragged_batch
@@ -90,7 +91,7 @@ def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, m
                                    micro_batch_size=64, name="ref")
     packed_calls: list[int] = []
     real = inference.packed_logprobs
-    monkeypatch.setattr(inference, "packed_logprobs", lambda *a: packed_calls.append(1) or real(*a))
+    monkeypatch.setattr(inference, "packed_logprobs", lambda *a, **k: packed_calls.append(1) or real(*a, **k))
     # Groups of 2 sharing a prompt, responses of very different lengths: packing runs fewer tokens.
     sequences, mask = ragged_batch(rows=6, width=40)
     pairs = torch.tensor([0, 0, 2, 2, 4, 4])
@@ -102,10 +103,12 @@ def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, m
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()
     scored[:, : PROMPT - 1] = False
     torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
-    # Rows of one length and a shared prompt: the padded path runs fewer tokens and is kept.
-    even = mask.clone()
+    # Rows of one length sharing one full prompt: the padded path runs it once (packs: once per two
+    # rows), so it runs fewer tokens and is kept.
+    same, even = sequences.clone(), mask.clone()
+    same[:, :PROMPT], even[:, :PROMPT] = sequences[5, :PROMPT], mask[5, :PROMPT]
     even[:, PROMPT:] = 1
-    frozen.logprobs(sequences, even, shared_prefix=PROMPT, response_start=PROMPT, pack_budget=64)
+    frozen.logprobs(same, even, shared_prefix=PROMPT, response_start=PROMPT, pack_budget=64)
     assert packed_calls == [1]
 
 
@@ -131,6 +134,47 @@ def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, famil
     torch.testing.assert_close(entropy[scored], padded_entropy[scored], atol=2e-5, rtol=1e-5)
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.usefixtures("one_thread")
+def test_paired_prompt_packs_have_the_padded_logprobs_and_gradients(tiny_model_dirs, fused):
+    """Rows of a sampled group packed in pairs that run their prompt once ([reversed response |
+    prompt | response]): every mask row is one run of keys (the fused kernels' one span), and the
+    log-probs, entropies and gradients are the padded forward's (HF attention and the fused kernels)."""
+    from rlhf.engine.packing import _packs, pack_units
+    from rlhf.engine.prompt_sharing import response_logprobs
+
+    model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
+    if fused:
+        assert fused_layers.fuse_layer_ops(model) > 0
+    sequences, mask = ragged_batch()
+    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])  # two prompts of three rows, one row alone
+    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    units = pack_units(sequences, mask, PROMPT)
+    assert sorted(u.rows for u in units) == [(0, 1), (2,), (3, 4), (5,), (6,)]
+    assert sum(u.tokens for u in units) == int(mask.sum()) - int(mask[0, :PROMPT].sum() + mask[3, :PROMPT].sum())
+    for layout in _packs(sequences, mask, int(mask.sum()), PROMPT):
+        visible = layout.inputs["attention_mask"][0, 0]
+        first, count = visible.int().argmax(dim=1), visible.sum(dim=1)
+        columns = torch.arange(visible.shape[1])
+        assert torch.equal(visible, (columns >= first[:, None]) & (columns < (first + count)[:, None]))
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    scored[:, : PROMPT - 1] = False
+    weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
+    padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
+    ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for budget in (1, int(mask.sum())):
+        model.zero_grad()
+        packed, entropy = packed_logprobs(model, sequences, mask, PROMPT, budget, with_entropy=True,
+                                          shared_prefix=PROMPT)
+        ((packed * weights).sum() + (entropy * weights).sum()).backward()
+        torch.testing.assert_close(packed[scored], padded[scored].detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[scored], padded_entropy[scored].detach(), atol=2e-5, rtol=1e-5)
+        assert not bool(packed[~scored].any())
+        for p, g in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.usefixtures("one_thread")

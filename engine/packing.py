@@ -12,14 +12,12 @@ forward runs only real tokens. The LM head runs only at the positions that score
 response_start.. . The log-probs are those of the padded forward up to float rounding
 (tests/test_packing.py).
 
-Two rows of a sampled group (the same first `shared_prefix` columns: one prompt) are packed as one
-unit that runs their prompt once: [first response, its tokens in reverse order | prompt | second
-response]. The mask is not causal in pack order, it follows each token's own row: a prompt token
-sees the prompt up to itself, a response token the prompt and its own response up to itself, and
-both of those are one contiguous run of the pack (the first response is reversed for that), which
-is what the fused attention kernels read as one span of keys per query: nothing is computed across
-rows. The prompt's last position scores both responses' first tokens. (A group of 4 runs its
-prompt twice instead of four times.)
+Rows of a sampled group (the same first `shared_prefix` columns: one prompt) are packed as one
+unit that runs their prompt once: [prompt | response 1 | response 2 | ...]. The mask follows each
+token's own row: a prompt token sees the prompt up to itself, a response token the prompt and its
+own response up to itself. The fused attention kernels read such a row as two runs of keys and
+skip the whole score tiles between them that no query of a block sees (the other responses), so
+nothing is computed across rows. The prompt's last position scores every response's first token.
 
 Applies to decoder-only models whose positions come from `position_ids` (RoPE: the Llama, Qwen2
 and Mistral families); OPT derives positions from the attention mask and GPT-2 checkpoints
@@ -58,58 +56,67 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
 
 
 def packs_fewer_tokens(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, padded_tokens: int,
-                       shared_prefix: int = 0, one_forward: bool = True) -> bool:
+                       shared_prefix: int = 0, one_forward: bool = True, budget: int = MAX_PACK_TOKENS) -> bool:
     """A packed forward over these rows applies and pays: the model packs, each row's real tokens
-    are one run, the packs run fewer tokens than the `padded_tokens` the padded forward would
-    (`packed_tokens`: pairs of rows sharing their first `shared_prefix` columns run them once) and
-    (`one_forward`: a trained model's micro-batch is one forward on every rank) at most
-    MAX_PACK_TOKENS."""
+    are one run, the packs (of `budget` tokens) run fewer tokens than the `padded_tokens` the
+    padded forward would (`packed_tokens`: rows sharing their first `shared_prefix` columns run
+    them once) and (`one_forward`: a trained model's micro-batch is one forward on every rank) at
+    most MAX_PACK_TOKENS."""
     if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
         return False
-    real = packed_tokens(sequences, attention_mask, shared_prefix)
+    real = packed_tokens(sequences, attention_mask, shared_prefix, budget)
     return forward_tokens(real, padded_tokens, packs=True, one_forward=one_forward) < padded_tokens
 
 
 @dataclass(frozen=True)
 class PackUnit:
-    """Rows packed together: one row, or two rows sharing their prompt (`prompt` real tokens)."""
+    """Rows packed together: one row, or rows sharing their prompt (`prompt` real tokens, run once)."""
 
     rows: tuple[int, ...]
     tokens: int
     prompt: int = 0
 
 
-def pack_units(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> list[PackUnit]:
+def pack_units(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
+               budget: int = MAX_PACK_TOKENS) -> list[PackUnit]:
     """The rows with real tokens as pack units: rows that share their first `shared_prefix`
-    columns (ids and mask) and hold real tokens there are paired, in row order within each prompt
-    (an odd one out is a unit of its own). A ValueError where a row's real tokens are not one run."""
+    columns (ids and mask) and hold real tokens there are one unit (their prompt once, then each
+    row's response), cut in row order into units of at most `budget` tokens (a row alone may be
+    longer); other rows are units of their own. A ValueError where a row's real tokens are not one run."""
     spans = real_spans(attention_mask)
     if spans is None:
         raise ValueError("packing: a row's real tokens are not one contiguous run of columns")
     starts, lengths = spans
     groups = prompt_groups(sequences, attention_mask, shared_prefix)
-    waiting: dict[int, int] = {}  # prompt -> a row of it still unpaired
+    members: dict[int, list[int]] = {}
     units: list[PackUnit] = []
     for row in range(len(lengths)):
-        if lengths[row] == 0:
-            continue
-        prompt = min(shared_prefix - starts[row], lengths[row])
-        if groups is None or prompt < 1:
+        if lengths[row] > 0 and groups is not None and min(shared_prefix - starts[row], lengths[row]) >= 1:
+            members.setdefault(int(groups[2][row]), []).append(row)
+        elif lengths[row] > 0:
             units.append(PackUnit((row,), lengths[row]))
-            continue
-        key = int(groups[2][row])
-        first = waiting.pop(key, None)
-        if first is None:
-            waiting[key] = row
-        else:
-            units.append(PackUnit((first, row), lengths[first] + lengths[row] - prompt, prompt))
-    units.extend(PackUnit((row,), lengths[row]) for row in waiting.values())
+    for rows in members.values():
+        prompt = min(shared_prefix - starts[rows[0]], min(lengths[r] for r in rows))
+        unit: list[int] = []
+        for row in rows:
+            if unit and prompt + sum(lengths[r] - prompt for r in [*unit, row]) > budget:
+                units.append(_group_unit(unit, lengths, prompt))
+                unit = []
+            unit.append(row)
+        units.append(_group_unit(unit, lengths, prompt))
     return units
 
 
-def packed_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> int:
+def _group_unit(rows: list[int], lengths: list[int], prompt: int) -> PackUnit:
+    if len(rows) == 1:
+        return PackUnit((rows[0],), lengths[rows[0]])
+    return PackUnit(tuple(rows), prompt + sum(lengths[r] - prompt for r in rows), prompt)
+
+
+def packed_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0,
+                  budget: int = MAX_PACK_TOKENS) -> int:
     """The tokens packed forwards over these rows run (`pack_units`)."""
-    return sum(unit.tokens for unit in pack_units(sequences, attention_mask, shared_prefix))
+    return sum(unit.tokens for unit in pack_units(sequences, attention_mask, shared_prefix, budget))
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -139,47 +146,41 @@ class _PackLayout:
 
 
 def _pack_layout(sequences: torch.Tensor, starts: list[int], lengths: list[int], units: list[PackUnit]) -> _PackLayout:
-    """The units' tokens end to end [1, N] (a pair: [reversed first response | prompt | second
-    response]), positions as in each row, and the mask [1, 1, N, N]: a token sees the tokens of its
-    own row (the pair's prompt belongs to both) at positions up to its own."""
+    """The units' tokens end to end [1, N] (a group: [prompt | each row's response]), positions as
+    in each row, and the mask [1, 1, N, N]: a token sees the tokens of its own row (a group's
+    prompt belongs to all of its rows) at positions up to its own."""
     device = sequences.device
-    ids, positions, unit_of, branch_of = [], [], [], []
+    segments: list[tuple[torch.Tensor, int, int, int]] = []  # (tokens, first position, unit, branch)
     where: dict[int, torch.Tensor] = {}
     offset = 0
     for u, unit in enumerate(units):
-        row, start = unit.rows[0], starts[unit.rows[0]]
-        if len(unit.rows) == 1:
-            parts = [(sequences[row, start : start + unit.tokens], torch.arange(unit.tokens, device=device), 0)]
-            where[row] = torch.arange(offset, offset + unit.tokens, device=device)
-        else:
-            prompt, second = unit.prompt, unit.rows[1]
-            mid = start + prompt  # the first response column
-            first_len, second_len = lengths[row] - prompt, lengths[second] - prompt
-            parts = [(sequences[row, mid : mid + first_len].flip(0),
-                      torch.arange(prompt, prompt + first_len, device=device).flip(0), 1),
-                     (sequences[row, start:mid], torch.arange(prompt, device=device), 0),
-                     (sequences[second, mid : mid + second_len], torch.arange(prompt, prompt + second_len, device=device), 2)]
-            prompt_at = torch.arange(offset + first_len, offset + first_len + prompt, device=device)
-            where[row] = torch.cat([prompt_at, torch.arange(offset + first_len - 1, offset - 1, -1, device=device)])
-            where[second] = torch.cat([prompt_at, torch.arange(offset + first_len + prompt, offset + unit.tokens,
-                                                               device=device)])
-        for tokens, pos, branch in parts:
-            ids.append(tokens)
-            positions.append(pos)
-            unit_of.append(torch.full_like(pos, u))
-            branch_of.append(torch.full_like(pos, branch))
+        head = unit.rows[0]
+        start = starts[head]
+        if unit.prompt == 0:  # one row; branch 0 is seen by the whole unit
+            segments.append((sequences[head, start : start + lengths[head]], 0, u, 0))
+            where[head] = torch.arange(offset, offset + unit.tokens, device=device)
+        else:  # the group's prompt (branch 0), then row i's response (branch i + 1, seen by row i only)
+            segments.append((sequences[head, start : start + unit.prompt], 0, u, 0))
+            prompt_at = torch.arange(offset, offset + unit.prompt, device=device)
+            at = offset + unit.prompt
+            for i, row in enumerate(unit.rows):
+                segments.append((sequences[row, start + unit.prompt : start + lengths[row]], unit.prompt, u, i + 1))
+                where[row] = torch.cat([prompt_at, torch.arange(at, at + lengths[row] - unit.prompt, device=device)])
+                at += lengths[row] - unit.prompt
         offset += unit.tokens
-    pos, unit_ids, branch = torch.cat(positions), torch.cat(unit_of), torch.cat(branch_of)
+    pos = torch.cat([torch.arange(p, p + t.numel(), device=device) for t, p, _, _ in segments])
+    unit_ids = torch.cat([torch.full((t.numel(),), u, device=device) for t, _, u, _ in segments])
+    branch = torch.cat([torch.full((t.numel(),), b, device=device) for t, _, _, b in segments])
     mask = ((unit_ids[:, None] == unit_ids[None, :]) & (pos[None, :] <= pos[:, None])
             & ((branch[None, :] == 0) | (branch[None, :] == branch[:, None])))
-    return _PackLayout({"input_ids": torch.cat(ids)[None], "position_ids": pos[None], "attention_mask": mask[None, None]},
-                       where)
+    return _PackLayout({"input_ids": torch.cat([t for t, _, _, _ in segments])[None], "position_ids": pos[None],
+                        "attention_mask": mask[None, None]}, where)
 
 
 def _packs(sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
            shared_prefix: int = 0) -> Iterator[_PackLayout]:
     """The layouts of the packs of at most `budget` tokens the rows' units make (`pack_units`)."""
-    units = pack_units(sequences, attention_mask, shared_prefix)
+    units = pack_units(sequences, attention_mask, shared_prefix, budget)
     starts, lengths = real_spans(attention_mask)  # type: ignore[misc]  (pack_units checked the runs)
     for pack in pack_rows([unit.tokens for unit in units], budget):
         yield _pack_layout(sequences, starts, lengths, [units[i] for i in pack])

@@ -80,6 +80,17 @@ def test_kernels_match_references(op, isa_index: int) -> None:
         _close(op.rope_backward(g, angles.cos(), angles.sin(), isa), ref[1])
 
 
+def _shared_prompt_mask(seq: int, prompt: int, responses: int) -> torch.Tensor:
+    """[seq, seq] mask of a pack [prompt | response 1 | ... | response n] (engine/packing.py): each
+    response sees the prompt and itself causally, not the responses between."""
+    segment = torch.zeros(seq, dtype=torch.long)
+    bounds = torch.linspace(prompt, seq, responses + 1).long()
+    for i in range(responses):
+        segment[bounds[i] : bounds[i + 1]] = i + 1
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return causal & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
+
+
 @pytest.mark.parametrize("isa_index", [0, 1, -1], ids=["scalar", "avx2", "widest"])
 @pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masking", [
     (4, 2, 21, 24, "causal"),     # GQA, widths off every vector width
@@ -87,6 +98,8 @@ def test_kernels_match_references(op, isa_index: int) -> None:
     (2, 1, 1, 8, "causal"),       # one token
     (6, 2, 70, 40, "holes"),
     (2, 2, 75, 16, "left_padded"),  # whole score tiles of padding before the first real key
+    (4, 2, 150, 32, "shared_prompt"),  # packed groups: whole score tiles between a prompt and a response skipped
+    (2, 2, 97, 16, "shared_prompt"),
 ])
 def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: int, seq: int, head_dim: int,
                                       masking: str) -> None:
@@ -100,7 +113,10 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
     q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
     mask, seen = None, torch.ones(batch, seq, dtype=torch.bool)
-    if masking != "causal":
+    if masking == "shared_prompt":
+        mask = torch.stack([_shared_prompt_mask(seq, prompt, responses) for prompt, responses in
+                            ((20, 3), (9, 2))])[:, None].contiguous()
+    elif masking != "causal":
         holes = masking == "holes"
         valid = torch.rand(batch, seq, generator=gen) > 0.3 if holes else torch.ones(batch, seq, dtype=torch.bool)
         valid[0, : seq // 3 if holes else 2 * seq // 3] = False  # left padding: row 0's first queries see nothing

@@ -138,11 +138,11 @@ def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, famil
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.usefixtures("one_thread")
-def test_paired_prompt_packs_have_the_padded_logprobs_and_gradients(tiny_model_dirs, fused):
-    """Rows of a sampled group packed in pairs that run their prompt once ([reversed response |
-    prompt | response]): every mask row is one run of keys (the fused kernels' one span), and the
-    log-probs, entropies and gradients are the padded forward's (HF attention and the fused kernels)."""
-    from rlhf.engine.packing import _packs, pack_units
+def test_shared_prompt_packs_have_the_padded_logprobs_and_gradients(tiny_model_dirs, fused):
+    """Rows of a sampled group packed as one unit that runs their prompt once ([prompt | response 1
+    | response 2 | ...], a group over the budget cut into units within it): the log-probs,
+    entropies and gradients are the padded forward's (HF attention and the fused kernels)."""
+    from rlhf.engine.packing import pack_units
     from rlhf.engine.prompt_sharing import response_logprobs
 
     model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
@@ -152,20 +152,16 @@ def test_paired_prompt_packs_have_the_padded_logprobs_and_gradients(tiny_model_d
     groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])  # two prompts of three rows, one row alone
     sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
     units = pack_units(sequences, mask, PROMPT)
-    assert sorted(u.rows for u in units) == [(0, 1), (2,), (3, 4), (5,), (6,)]
-    assert sum(u.tokens for u in units) == int(mask.sum()) - int(mask[0, :PROMPT].sum() + mask[3, :PROMPT].sum())
-    for layout in _packs(sequences, mask, int(mask.sum()), PROMPT):
-        visible = layout.inputs["attention_mask"][0, 0]
-        first, count = visible.int().argmax(dim=1), visible.sum(dim=1)
-        columns = torch.arange(visible.shape[1])
-        assert torch.equal(visible, (columns >= first[:, None]) & (columns < (first + count)[:, None]))
+    assert sorted(u.rows for u in units) == [(0, 1, 2), (3, 4, 5), (6,)]
+    assert sum(u.tokens for u in units) == int(mask.sum()) - 2 * int(mask[0, :PROMPT].sum() + mask[3, :PROMPT].sum())
+    assert max(len(u.rows) for u in pack_units(sequences, mask, PROMPT, budget=16)) == 2
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()
     scored[:, : PROMPT - 1] = False
     weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
     padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
     ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
     want = [p.grad.clone() for p in model.parameters()]
-    for budget in (1, int(mask.sum())):
+    for budget in (1, 16, int(mask.sum())):
         model.zero_grad()
         packed, entropy = packed_logprobs(model, sequences, mask, PROMPT, budget, with_entropy=True,
                                           shared_prefix=PROMPT)

@@ -54,10 +54,11 @@ def prompts(tmp_path_factory):
     return write_jsonl(folder / "prompts.jsonl", rows)
 
 
-def _ppo(model, prompts, out, *extra: str) -> list[dict]:
+def _ppo(model, prompts, out, *extra: str, critic: bool = True) -> list[dict]:
     reward = f"{prompts.parent / 'vowels.py'}:vowels"
-    main(["ppo", "--actor", str(model), "--critic", str(model), "--reward-fn", reward, "--data", str(prompts),
-          "--output", str(out), "--max-steps", "2", "--generation-batch-size", "8", "--max-new-tokens", "6",
+    main(["ppo", "--actor", str(model), *(["--critic", str(model)] if critic else []), "--reward-fn", reward,
+          "--data", str(prompts), "--output", str(out), "--max-steps", "2", "--generation-batch-size", "8",
+          "--max-new-tokens", "6",
           "--micro-batch-size", "4", "--report-to", "none", "--optimizer-impl", "torch", "--kl-coef", "0.1", *extra])
     return read_metrics(out)
 
@@ -160,6 +161,27 @@ def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_
     assert all(calls.values()), calls
     for a, b in zip(packed, padded):
         for key in ("critic_grad_norm", "actor_grad_norm", "kl", "score_mean", "policy_loss", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_group_packs_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path, monkeypatch) -> None:
+    """GRPO with groups of 4: the actor's and reference's packed forwards run each group's prompt
+    once (one unit per group) and the steps are the padded ones (--no-pack-sequences)."""
+    from rlhf.engine import packing
+
+    units: list[int] = []
+    real = packing.pack_units
+    monkeypatch.setattr(packing, "pack_units", lambda *a, **k: units.extend(
+        len(u.rows) for u in real(*a, **k)) or real(*a, **k))
+    model = tiny_model_dirs["llama"]
+    fixed = ("--advantage-estimator", "grpo", "--samples-per-prompt", "4", "--lr", "1e-3", "--micro-batch-size", "8",
+             "--max-tokens-per-micro-batch", "400", "--temperature", "1.0")
+    padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences", critic=False)
+    assert units == []
+    packed = _ppo(model, prompts, tmp_path / "packed", *fixed, critic=False)
+    assert max(units) == 4
+    for a, b in zip(packed, padded):
+        for key in ("actor_grad_norm", "kl", "score_mean", "policy_loss", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 

@@ -208,13 +208,23 @@ MaskRowSpan mask_row_span(const uint8_t* m, int64_t keys) {
     contiguous = ((w - kOnes) & ~w & kHighs) == 0;  // no zero byte among the 8
   }
   for (; contiguous && j < end; ++j) contiguous = m[j] != 0;
-  return {static_cast<int32_t>(start), static_cast<int32_t>(end), contiguous ? 1 : 0, 0};
+  int64_t gap_start = 0, gap_end = 0;
+  if (!contiguous) {  // the first unseen key after start, then the next seen one (end - 1 is seen)
+    gap_start = start;
+    while (m[gap_start] != 0) ++gap_start;
+    gap_end = gap_start;
+    while (gap_end + 8 <= end && mask_word(m + gap_end) == 0) gap_end += 8;
+    while (m[gap_end] == 0) ++gap_end;
+  }
+  return {static_cast<int32_t>(start), static_cast<int32_t>(end), contiguous ? 1 : 0,
+          static_cast<int32_t>(gap_start), static_cast<int32_t>(gap_end), 0};
 }
 
-// Every row's span of a bool mask [mask batch, 1, seq, keys], as int32 [mask batch * seq, 4].
+// Every row's span of a bool mask [mask batch, 1, seq, keys], as int32 [mask batch * seq, 6].
 at::Tensor mask_row_spans(const at::Tensor& mask) {
+  static_assert(sizeof(MaskRowSpan) == 6 * sizeof(int32_t), "MaskRowSpan is six int32");
   const int64_t rows = mask.size(0) * mask.size(2), keys = mask.size(3);
-  at::Tensor spans = at::empty({rows, 4}, mask.options().dtype(at::kInt));
+  at::Tensor spans = at::empty({rows, 6}, mask.options().dtype(at::kInt));
   const uint8_t* m = reinterpret_cast<const uint8_t*>(mask.data_ptr());
   auto* out = reinterpret_cast<MaskRowSpan*>(spans.data_ptr<int32_t>());
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(keys, 1));

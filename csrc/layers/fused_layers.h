@@ -22,10 +22,13 @@ struct RopeArgs {
 
 // The keys one mask row (a query of one mask batch row) sees: [start, end), every one of them
 // when `contiguous` (causal, left padding: the kernels then read none of its bytes), else those
-// of its mask bytes that are nonzero. end 0: it sees none.
+// of its mask bytes that are nonzero, none of [gap_start, gap_end) (its first run of unseen keys
+// after `start`: a packed row's keys between its shared prompt and its own tokens, which blocks
+// of such rows skip). end 0: it sees none.
 struct MaskRowSpan {
   int32_t start, end;
   int32_t contiguous;
+  int32_t gap_start, gap_end;
   int32_t unused;
 };
 

@@ -122,21 +122,12 @@ def budget_partition(order: list[int], cost: Callable[[list[int]], int], budget:
     return parts
 
 
-def token_budget_micro_batches(attention_mask: torch.Tensor, budget: int, at_least: int = 1,
-                               packed: bool = False) -> list[torch.Tensor]:
+def token_budget_micro_batches(attention_mask: torch.Tensor, budget: int, at_least: int = 1) -> list[torch.Tensor]:
     """Row indices of micro-batches of rows of similar length (sorted, longest first) whose padded
     size (rows x trimmed width) stays within `budget` tokens (DeepSpeed's / verl's dynamic batch
-    size), at least `at_least` of them (`budget_partition`). `packed`: the forwards run packed
-    where that is fewer tokens (engine/packing.py), so a micro-batch costs what its forward runs
-    (`forward_tokens`: its real tokens where they are at most MAX_PACK_TOKENS)."""
+    size), at least `at_least` of them (`budget_partition`). Packed forwards: `packed_micro_batches`."""
     order = torch.argsort(attention_mask.sum(dim=-1), descending=True, stable=True).tolist()
-    packs = packed and real_spans(attention_mask) is not None
-
-    def cost(rows: list[int]) -> int:
-        mask = attention_mask[rows]
-        return forward_tokens(int(mask.sum()), padded_tokens(mask), packs)
-
-    parts = budget_partition(order, cost, budget, at_least)
+    parts = budget_partition(order, lambda rows: padded_tokens(attention_mask[rows]), budget, at_least)
     return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
 
 

@@ -33,10 +33,12 @@ import torch
 from torch import nn
 
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
-from rlhf.engine.micro_batches import MAX_PACK_TOKENS, forward_tokens, real_spans
+from rlhf.engine.micro_batches import (
+    MAX_PACK_TOKENS, budget_partition, forward_tokens, padded_tokens, real_spans, token_budget_micro_batches,
+)
 from rlhf.engine.prompt_sharing import prompt_groups
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "pack_units", "packed_logprobs", "packed_scores",
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "pack_units", "packed_logprobs", "packed_micro_batches", "packed_scores",
            "packed_tokens", "packed_values", "packing_unsupported_reason", "packs_fewer_tokens"]
 
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
@@ -117,6 +119,36 @@ def packed_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_
                   budget: int = MAX_PACK_TOKENS) -> int:
     """The tokens packed forwards over these rows run (`pack_units`)."""
     return sum(unit.tokens for unit in pack_units(sequences, attention_mask, shared_prefix, budget))
+
+
+def packed_micro_batches(sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int, shared_prefix: int = 0,
+                         at_least: int = 1) -> list[torch.Tensor]:
+    """Row indices of micro-batches whose forwards run at most `budget` tokens packed (`pack_units`:
+    each sampled group's prompt once per micro-batch; where that is over MAX_PACK_TOKENS, their
+    padded forward's), a group's rows together (groups, then rows, longest first), at least
+    `at_least` of them (`budget_partition`, as `token_budget_micro_batches` cuts padded rows)."""
+    spans = real_spans(attention_mask)
+    if spans is None:
+        return token_budget_micro_batches(attention_mask, budget, at_least)
+    starts, lengths = spans
+    groups = prompt_groups(sequences, attention_mask, shared_prefix)
+    prompt = [0] * len(lengths)
+    key = [-1 - row for row in range(len(lengths))]  # a row's group, else a key of its own
+    for row in range(len(lengths)):
+        shared = min(shared_prefix - starts[row], lengths[row])
+        if groups is not None and shared >= 1:
+            prompt[row], key[row] = shared, int(groups[2][row])
+    group_tokens: dict[int, int] = {}
+    for row in range(len(lengths)):
+        group_tokens[key[row]] = group_tokens.get(key[row], prompt[row]) + lengths[row] - prompt[row]
+
+    def cost(rows: list[int]) -> int:
+        packed = sum(lengths[r] - prompt[r] for r in rows) + sum({key[r]: prompt[r] for r in rows}.values())
+        return forward_tokens(packed, padded_tokens(attention_mask[rows]), packs=True)
+
+    order = sorted(range(len(lengths)), key=lambda r: (-group_tokens[key[r]], key[r], -lengths[r], r))
+    parts = budget_partition(order, cost, budget, at_least)
+    return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ from rlhf.engine.micro_batches import (
     column_span, forward_in_micro_batches, micro_batch_weights, token_budget_micro_batches,
 )
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.packing import packed_logprobs, packed_values, packing_unsupported_reason, packs_fewer_tokens
+from rlhf.engine.packing import (
+    packed_logprobs, packed_micro_batches, packed_values, packing_unsupported_reason, packs_fewer_tokens,
+)
 from rlhf.engine.prompt_sharing import (
     padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
 )
@@ -630,18 +633,23 @@ class PPOTrainer:
                       micro: int) -> tuple[list[torch.Tensor], list[MicroWeight]]:
         """The minibatch's micro-batches (experience row indices) and their loss weights: rows of
         --micro-batch-size (weight 1: each micro-batch's mean counts the same), or with
-        --max-tokens-per-micro-batch rows of similar length within the token budget (real tokens
-        where the trained models' forwards run packed), as many on every rank, each weighted by its
-        share of the global minibatch's tokens and rows."""
+        --max-tokens-per-micro-batch rows of similar length within the token budget (where the
+        trained models' forwards run packed: the tokens they run, a sampled group's rows together),
+        as many on every rank, each weighted by its share of the global minibatch's tokens and rows."""
         budget = self.config.max_tokens_per_micro_batch
         if not budget:
             parts = [minibatch[s] for s in micro_batch_slices(len(minibatch), micro)]
             return parts, [MicroWeight(1.0, 1.0)] * len(parts)
         mask = exp.attention_mask[minibatch]
-        packed = self.config.pack_sequences and all(
-            packing_unsupported_reason(engine.model) is None for engine in (self.actor, self.critic) if engine is not None)
-        count = int(self.ctx.all_reduce_max(torch.tensor(len(token_budget_micro_batches(mask, budget, packed=packed)))))
-        parts = [minibatch[rows] for rows in token_budget_micro_batches(mask, budget, at_least=count, packed=packed)]
+        if self.config.pack_sequences and all(packing_unsupported_reason(engine.model) is None
+                                              for engine in (self.actor, self.critic) if engine is not None):
+            shifted = response_prefix(exp.action_mask[minibatch])  # as micro_step's response start
+            share = shifted + 1 if shifted and self.shares_prompts else 0
+            cut = partial(packed_micro_batches, exp.sequences[minibatch], mask, budget, share)
+        else:
+            cut = partial(token_budget_micro_batches, mask, budget)
+        count = int(self.ctx.all_reduce_max(torch.tensor(len(cut()))))
+        parts = [minibatch[rows] for rows in cut(at_least=count)]
         tokens = [float(exp.action_mask[rows].sum()) for rows in parts]
         sizes = [float(len(rows)) for rows in parts]
         totals = self.ctx.all_reduce_sum(torch.tensor([sum(tokens), sum(sizes)], dtype=torch.float64)).tolist()

@@ -98,11 +98,6 @@ def test_token_budget_micro_batches() -> None:
     assert len(token_budget_micro_batches(mask, budget=10**6)) == 1
     assert len(token_budget_micro_batches(mask, budget=10**6, at_least=3)) == 3  # another rank needs 3
     assert [len(p) for p in token_budget_micro_batches(mask, budget=1)] == [1] * 7
-    # Packed forwards run the real tokens: the budget holds more rows, never more real tokens.
-    packed = token_budget_micro_batches(mask, budget=40, packed=True)
-    assert sorted(torch.cat(packed).tolist()) == list(range(7))
-    assert len(packed) < len(parts)
-    assert all(int(mask[rows].sum()) <= 40 or len(rows) == 1 for rows in packed)
 
 
 def test_weighted_micro_batches_give_the_whole_minibatch_gradient() -> None:

@@ -70,6 +70,25 @@ def test_spans_and_packs() -> None:
         pack_rows([1], budget=0)
 
 
+def test_packed_micro_batches_hold_the_tokens_their_packs_run() -> None:
+    """Cut by what the packed forwards run: a budget holds more rows than padded micro-batches, a
+    sampled group's rows stay together and count their prompt once."""
+    from rlhf.engine.micro_batches import token_budget_micro_batches
+    from rlhf.engine.packing import packed_micro_batches, packed_tokens
+
+    sequences, mask = ragged_batch()
+    padded = token_budget_micro_batches(mask, budget=40)
+    packed = packed_micro_batches(sequences, mask, budget=40)
+    assert sorted(torch.cat(packed).tolist()) == list(range(7))
+    assert len(packed) < len(padded)
+    assert all(int(mask[rows].sum()) <= 40 or len(rows) == 1 for rows in packed)
+    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])
+    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    shared = packed_micro_batches(sequences, mask, budget=30, shared_prefix=PROMPT)  # groups of 19 and 24 tokens
+    assert [sorted(rows.tolist()) for rows in shared] == [[3, 4, 5], [0, 1, 2, 6]]
+    assert [packed_tokens(sequences[rows], mask[rows], PROMPT) for rows in shared] == [24, 23]
+
+
 def test_families_that_do_not_pack(tiny_model_dirs) -> None:
     for family in ("gpt2", "opt"):
         reason = packing_unsupported_reason(load_causal_lm(str(tiny_model_dirs[family])))

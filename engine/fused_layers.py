@@ -21,6 +21,7 @@ own attention function. Under `--compile` nothing is swapped: inductor fuses the
 from __future__ import annotations
 
 import sys
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -161,16 +162,32 @@ class _FusedAttention(torch.autograd.Function):
         # (a transposed view) needs no copy, and its gradient comes back in the same layout.
         query, key = query.contiguous(), key.contiguous()
         value = value if value.stride(-1) == 1 else value.contiguous()
-        out, stats = op.attention_forward(query, key, value, mask, scale)
+        spans = None if mask is None else _mask_spans(mask, op)
+        out, stats = op.attention_forward(query, key, value, mask, scale, spans=spans)
         ctx.save_for_backward(query, key, value, out, stats)
-        ctx.mask, ctx.scale, ctx.op = mask, scale, op
+        ctx.mask, ctx.spans, ctx.scale, ctx.op = mask, spans, scale, op
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, stats = ctx.saved_tensors
-        grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, stats, ctx.scale)
+        grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, stats, ctx.scale,
+                                          spans=ctx.spans)
         return *grads, None, None, None
+
+
+_last_spans: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
+
+
+def _mask_spans(mask: torch.Tensor, op: ModuleType) -> torch.Tensor:
+    """The kernels' row spans of `mask` (`op.mask_spans`), found once for the layers of a forward
+    that pass the same unchanged mask tensor (a packed forward's [N, N] mask: N^2 bytes to scan)."""
+    global _last_spans
+    if _last_spans is not None and _last_spans[0]() is mask and _last_spans[1] == mask._version:
+        return _last_spans[2]
+    spans = op.mask_spans(mask)
+    _last_spans = (weakref.ref(mask), mask._version, spans)
+    return spans
 
 
 def fused_attention_applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:

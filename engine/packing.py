@@ -182,30 +182,37 @@ def _pack_layout(sequences: torch.Tensor, starts: list[int], lengths: list[int],
     in each row, and the mask [1, 1, N, N]: a token sees the tokens of its own row (a group's
     prompt belongs to all of its rows) at positions up to its own."""
     device = sequences.device
-    segments: list[tuple[torch.Tensor, int, int, int]] = []  # (tokens, first position, unit, branch)
+    segments: list[tuple[torch.Tensor, int, int]] = []  # (tokens, first position, branch)
     where: dict[int, torch.Tensor] = {}
     offset = 0
-    for u, unit in enumerate(units):
+    for unit in units:
         head = unit.rows[0]
         start = starts[head]
         if unit.prompt == 0:  # one row; branch 0 is seen by the whole unit
-            segments.append((sequences[head, start : start + lengths[head]], 0, u, 0))
+            segments.append((sequences[head, start : start + lengths[head]], 0, 0))
             where[head] = torch.arange(offset, offset + unit.tokens, device=device)
         else:  # the group's prompt (branch 0), then row i's response (branch i + 1, seen by row i only)
-            segments.append((sequences[head, start : start + unit.prompt], 0, u, 0))
+            segments.append((sequences[head, start : start + unit.prompt], 0, 0))
             prompt_at = torch.arange(offset, offset + unit.prompt, device=device)
             at = offset + unit.prompt
             for i, row in enumerate(unit.rows):
-                segments.append((sequences[row, start + unit.prompt : start + lengths[row]], unit.prompt, u, i + 1))
+                segments.append((sequences[row, start + unit.prompt : start + lengths[row]], unit.prompt, i + 1))
                 where[row] = torch.cat([prompt_at, torch.arange(at, at + lengths[row] - unit.prompt, device=device)])
                 at += lengths[row] - unit.prompt
         offset += unit.tokens
-    pos = torch.cat([torch.arange(p, p + t.numel(), device=device) for t, p, _, _ in segments])
-    unit_ids = torch.cat([torch.full((t.numel(),), u, device=device) for t, _, u, _ in segments])
-    branch = torch.cat([torch.full((t.numel(),), b, device=device) for t, _, _, b in segments])
-    mask = ((unit_ids[:, None] == unit_ids[None, :]) & (pos[None, :] <= pos[:, None])
-            & ((branch[None, :] == 0) | (branch[None, :] == branch[:, None])))
-    return _PackLayout({"input_ids": torch.cat([t for t, _, _, _ in segments])[None], "position_ids": pos[None],
+    pos = torch.cat([torch.arange(p, p + t.numel(), device=device) for t, p, _ in segments])
+    branch = torch.cat([torch.full((t.numel(),), b, device=device) for t, _, b in segments])
+    mask = torch.zeros(offset, offset, dtype=torch.bool, device=device)
+    begin = 0
+    for unit in units:  # block diagonal: a unit's tokens see only tokens of their unit
+        end = begin + unit.tokens
+        if unit.prompt == 0:
+            mask[begin:end, begin:end] = torch.ones(unit.tokens, unit.tokens, dtype=torch.bool, device=device).tril()
+        else:
+            p, b = pos[begin:end], branch[begin:end]
+            mask[begin:end, begin:end] = (p[None, :] <= p[:, None]) & ((b[None, :] == 0) | (b[None, :] == b[:, None]))
+        begin = end
+    return _PackLayout({"input_ids": torch.cat([t for t, _, _ in segments])[None], "position_ids": pos[None],
                         "attention_mask": mask[None, None]}, where)
 
 

@@ -91,6 +91,27 @@ def _shared_prompt_mask(seq: int, prompt: int, responses: int) -> torch.Tensor:
     return causal & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
 
 
+def test_a_mask_shared_by_the_layers_is_scanned_once(op, monkeypatch) -> None:
+    """The row spans of a mask passed unchanged to every layer's attention are found once (and
+    again after the mask is edited in place); forward and backward match the reference either way."""
+    found: list[int] = []
+    real = op.mask_spans
+    monkeypatch.setattr(op, "mask_spans", lambda m: found.append(1) or real(m))
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    mask = _shared_prompt_mask(40, 8, 2)[None, None].contiguous()
+    for edit, calls in ((False, 1), (False, 1), (True, 2)):
+        if edit:
+            mask[0, 0, 39, 8:20] = False  # in place: the spans are found again
+        tracked = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention(*tracked, mask, 0.25).sum().backward()
+        want = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention_reference(*want, mask, 0.25).sum().backward()
+        assert len(found) == calls
+        for got, ref in zip(tracked, want):
+            _close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa_index", [0, 1, -1], ids=["scalar", "avx2", "widest"])
 @pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masking", [
     (4, 2, 21, 24, "causal"),     # GQA, widths off every vector width

@@ -223,6 +223,9 @@ MaskRowSpan mask_row_span(const uint8_t* m, int64_t keys) {
 // Every row's span of a bool mask [mask batch, 1, seq, keys], as int32 [mask batch * seq, 6].
 at::Tensor mask_row_spans(const at::Tensor& mask) {
   static_assert(sizeof(MaskRowSpan) == 6 * sizeof(int32_t), "MaskRowSpan is six int32");
+  TORCH_CHECK(mask.defined() && mask.device().is_cpu() && mask.scalar_type() == at::kBool && mask.is_contiguous() &&
+                  mask.dim() == 4 && mask.size(1) == 1 && mask.size(3) < (int64_t{1} << 31),
+              "rlhf_fused_layers: mask_spans wants a contiguous bool CPU mask [B or 1, 1, T, S]");
   const int64_t rows = mask.size(0) * mask.size(2), keys = mask.size(3);
   at::Tensor spans = at::empty({rows, 6}, mask.options().dtype(at::kInt));
   const uint8_t* m = reinterpret_cast<const uint8_t*>(mask.data_ptr());
@@ -235,8 +238,9 @@ at::Tensor mask_row_spans(const at::Tensor& mask) {
 }
 
 // q [batch, heads, seq, head_dim], k/v [batch, kv_heads, keys, head_dim]; mask: undefined
-// (causal, keys == seq) or bool [batch or 1, 1, seq, keys], whose row spans go to `spans` (kept
-// alive by the caller while the kernels run).
+// (causal, keys == seq) or bool [batch or 1, 1, seq, keys], whose row spans are `spans` (the
+// caller's `mask_spans(mask)` of an earlier call, or computed here; kept alive by the caller while
+// the kernels run).
 AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                              double scale, at::Tensor& spans) {
   check_float_cpu(q, "query");
@@ -259,7 +263,13 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
     mask_ptr = reinterpret_cast<const uint8_t*>(mask.data_ptr());
     mask_stride = mask.size(0) == 1 ? 0 : seq * keys;
     TORCH_CHECK(keys < (int64_t{1} << 31), "rlhf_fused_layers: attention over 2^31 keys or more");
-    spans = mask_row_spans(mask);
+    if (spans.defined()) {
+      TORCH_CHECK(spans.scalar_type() == at::kInt && spans.is_contiguous() && spans.dim() == 2 &&
+                      spans.size(0) == mask.size(0) * seq && spans.size(1) == 6,
+                  "rlhf_fused_layers: spans must be mask_spans(mask), int32 [", mask.size(0) * seq, ", 6]");
+    } else {
+      spans = mask_row_spans(mask);
+    }
   } else {
     TORCH_CHECK(keys == seq, "rlhf_fused_layers: causal attention (no mask) needs as many keys as queries, got ", keys,
                 " and ", seq);
@@ -274,8 +284,8 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
 // -> (out [batch, seq, heads, head_dim], stats [batch, heads, seq, 2]: each row's score max and 1 / sum).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::optional<at::Tensor>& mask, double scale,
-                                                     const std::string& isa) {
-  at::Tensor spans;
+                                                     const std::string& isa, const std::optional<at::Tensor>& mask_spans) {
+  at::Tensor spans = mask_spans.value_or(at::Tensor());
   const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
   const LayerKernels& kernels = resolve_isa(isa);
   at::Tensor out = at::empty({a.batch, a.seq, a.heads, a.head_dim}, q.options());
@@ -289,8 +299,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& stats, double scale,
-    const std::string& isa) {
-  at::Tensor spans;
+    const std::string& isa, const std::optional<at::Tensor>& mask_spans) {
+  at::Tensor spans = mask_spans.value_or(at::Tensor());
   AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
   check_float_cpu(grad, "grad");
   check_float_cpu(out, "out");
@@ -329,12 +339,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto", "[batch, seq, heads * head_dim] -> rotated [batch, heads, seq, head_dim]", release);
   m.def("rope_backward", &L::rope_backward, py::arg("grad"), py::arg("cos"), py::arg("sin"), py::arg("isa") = "auto",
         "[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]", release);
+  m.def("mask_spans", &L::mask_row_spans, py::arg("mask"),
+        "bool mask [B or 1, 1, T, S] -> its rows' spans (int32 [B or 1 * T, 6]), for the attention calls that share it",
+        release);
   m.def("attention_forward", &L::attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("scale"), py::arg("isa") = "auto",
-        "q [B, H, T, D], k/v [B, Hkv, S, D] (v: any strides, last dim contiguous), mask None (causal) or bool [B or 1, 1, T, S] -> (out [B, T, H, D], stats [B, H, T, 2])",
+        py::arg("scale"), py::arg("isa") = "auto", py::arg("spans") = py::none(),
+        "q [B, H, T, D], k/v [B, Hkv, S, D] (v: any strides, last dim contiguous), mask None (causal) or bool [B or 1, 1, T, S] (spans: mask_spans(mask), else computed) -> (out [B, T, H, D], stats [B, H, T, 2])",
         release);
   m.def("attention_backward", &L::attention_backward, py::arg("grad"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("mask"), py::arg("out"), py::arg("stats"), py::arg("scale"), py::arg("isa") = "auto",
-        "-> (grad_q, grad_k, grad_v)", release);
+        py::arg("spans") = py::none(), "-> (grad_q, grad_k, grad_v)", release);
   m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

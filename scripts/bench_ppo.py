@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
                         "the kernel zeroing fresh pages; 3 with --compile, whose recompiles land in iterations 1-3)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="rlhf ppo --recompute-old-logprobs")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="rlhf ppo's token budget")
+    parser.add_argument("--no-pack-sequences", dest="pack_sequences", action="store_false",
+                        help="rlhf ppo --no-pack-sequences: padded forwards with a token budget")
     parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                         help="rlhf ppo --no-fused-layers: Hugging Face's own RMSNorm/RoPE/SwiGLU/attention modules")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
@@ -156,6 +158,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
         *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
         "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
+        *([] if args.pack_sequences else ["--no-pack-sequences"]),
         *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
     warmup = args.warmup if args.warmup is not None else (3 if args.compile else 2 if args.model else 1)

@@ -79,9 +79,10 @@ class FrozenModel:
         by length unless groups share prompts): engine/micro_batches.py. With `pack_budget` > 0 the
         rows' real tokens run packed (engine/packing.py, packs of at most that many tokens) where
         the model packs and that runs fewer tokens than the padded micro-batches."""
-        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix):
-            return packed_logprobs(self.model, sequences, attention_mask, response_start,
-                                   min(pack_budget, MAX_PACK_TOKENS), shared_prefix=shared_prefix)[0]
+        budget = min(pack_budget, MAX_PACK_TOKENS)
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix, budget):
+            return packed_logprobs(self.model, sequences, attention_mask, response_start, budget,
+                                   shared_prefix=shared_prefix)[0]
         if shared_prefix > 0:
             def forward(s: torch.Tensor, m: torch.Tensor, lo: int) -> torch.Tensor:
                 return shared_prompt_logprobs(self.model, s, m, shared_prefix - lo)[0]
@@ -91,11 +92,12 @@ class FrozenModel:
         return forward_in_micro_batches(forward, sequences, attention_mask, self.micro_batch_size,
                                         sort=shared_prefix == 0)
 
-    def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> bool:
+    def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int,
+                            budget: int) -> bool:
         """A packed forward applies (the model packs, each row's real tokens are one run, and it is
         not sharded: FSDP2 needs as many forwards on every rank, and packs differ between ranks) and
-        runs fewer tokens than the padded micro-batches would (each shared prompt counted once); as
-        many packs of the budget as the rows need."""
+        its packs of `budget` tokens (as many as the rows need) run fewer tokens than the padded
+        micro-batches would (each shared prompt counted once)."""
         if isinstance(self.model, FSDPModule):
             return False
         if shared_prefix > 0:
@@ -103,15 +105,17 @@ class FrozenModel:
         else:
             padded = sum(padded_tokens(attention_mask[rows])
                          for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
-        return packs_fewer_tokens(self.model, sequences, attention_mask, padded, shared_prefix, one_forward=False)
+        return packs_fewer_tokens(self.model, sequences, attention_mask, padded, shared_prefix, one_forward=False,
+                                  budget=budget)
 
     @torch.no_grad()
     def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0) -> torch.Tensor:
         """Sequence scores ([B]) of a value/reward model at each row's last real token (micro-batches
         of rows of similar length, without their all-padding columns). With `pack_budget` > 0 the
         rows' real tokens run packed (`packed_scores`) where that runs fewer tokens, as `logprobs`."""
-        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, 0):
-            return packed_scores(self.model, sequences, attention_mask, min(pack_budget, MAX_PACK_TOKENS))
+        budget = min(pack_budget, MAX_PACK_TOKENS)
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, 0, budget):
+            return packed_scores(self.model, sequences, attention_mask, budget)
         return forward_in_micro_batches(
             lambda s, m, lo: self.model.score(s, m, position_ids=position_ids_from_mask(m)), sequences,
             attention_mask, self.micro_batch_size).float()

@@ -110,6 +110,7 @@ def pack_units(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_pre
 
 
 def _group_unit(rows: list[int], lengths: list[int], prompt: int) -> PackUnit:
+    """Rows of one prompt as a unit (one row alone: a plain row's unit)."""
     if len(rows) == 1:
         return PackUnit((rows[0],), lengths[rows[0]])
     return PackUnit(tuple(rows), prompt + sum(lengths[r] - prompt for r in rows), prompt)

@@ -282,7 +282,7 @@ def test_packed_scores_match_the_padded_reward_model(tiny_model_dirs, ctx):
         for p, g in zip(scorer.parameters(), want):
             torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
     frozen = FrozenModel(scorer, ctx, zero_stage=3, dtype="fp32", offload=False, micro_batch_size=64, name="reward")
-    assert frozen._packs_fewer_tokens(sequences, mask, 0)
+    assert frozen._packs_fewer_tokens(sequences, mask, 0, 64)
     torch.testing.assert_close(frozen.scores(sequences, mask, pack_budget=64), padded.detach(), atol=2e-5, rtol=1e-5)
     empty = mask.clone()
     empty[0] = 0

@@ -271,14 +271,16 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     return out, entropy
 
 
-def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
+def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
+                  shared_prefix: int = 0) -> torch.Tensor:
     """Per-token values [B, T] (float32) of a value model (`ValueModel`: forward(input_ids,
     attention_mask, position_ids) -> [B, T]) from forwards over packs of the rows' real tokens, as
-    `packed_logprobs` packs them; positions outside the rows' real tokens are 0 (the padded
-    forward's mean nothing). Differentiable; a ValueError where a row's real tokens are not one run."""
+    `packed_logprobs` packs them (a group's shared prompt run once: its values are every row's);
+    positions outside the rows' real tokens are 0 (the padded forward's mean nothing).
+    Differentiable; a ValueError where a row's real tokens are not one run."""
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     starts, _ = real_spans(attention_mask) or ([], [])
-    for layout in _packs(sequences, attention_mask, budget):
+    for layout in _packs(sequences, attention_mask, budget, shared_prefix):
         values = model(**layout.inputs)[0]
         at = torch.cat(list(layout.where.values()))
         rows = torch.cat([torch.full_like(index, row) for row, index in layout.where.items()])

@@ -509,7 +509,8 @@ class PPOTrainer:
             if self.keeps_critic_forward(len(seq)):
                 values = self.kept_critic_forward(seq, attn)
             else:
-                values = forward_in_micro_batches(lambda s, m, lo: self.critic_forward(s, m), seq, attn, micro)
+                values = forward_in_micro_batches(
+                    lambda s, m, lo: self.critic_forward(s, m, max(start - lo, 0) if share else 0), seq, attn, micro)
             self.critic_seconds += time.perf_counter() - started
         return old_logprobs, ref_logprobs, values
 
@@ -540,10 +541,11 @@ class PPOTrainer:
         with --samples-per-prompt > 1; see engine/prompt_sharing.py)."""
         return self.config.share_prompt_forward and self.group_size > 1
 
-    def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The critic's values [B, T]; packed in one forward where `packs` says so."""
-        if self.packs(self.critic.model, sequences, attention_mask):
-            return packed_values(self.critic.model, sequences, attention_mask, int(attention_mask.sum()))
+    def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+        """The critic's values [B, T]; packed in one forward where `packs` says so (rows sharing
+        their first `shared_prefix` columns running them once)."""
+        if self.packs(self.critic.model, sequences, attention_mask, shared_prefix, padded_shares_prompt=False):
+            return packed_values(self.critic.model, sequences, attention_mask, int(attention_mask.sum()), shared_prefix)
         return critic_values(self.critic.model, sequences, attention_mask)
 
     def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int, share: bool,
@@ -559,16 +561,17 @@ class PPOTrainer:
         return response_logprobs(self.actor.model, sequences, attention_mask, response_start, with_entropy)
 
     def packs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-              shared_prefix: int = 0) -> bool:
+              shared_prefix: int = 0, padded_shares_prompt: bool = True) -> bool:
         """A trained model's (actor, critic) forward over these rows runs packed (--pack-sequences
         with a token budget): the model packs, each row's real tokens are one run, at most
         MAX_PACK_TOKENS of them (one forward, as the padded path: FSDP2 needs the same number on
-        every rank), and fewer tokens than the padded forward (the rows' shared prompts, first
-        `shared_prefix` columns, once; packed, each prompt once per two rows)."""
+        every rank), and fewer tokens than the padded forward. Packs run the rows' shared prompt
+        (first `shared_prefix` columns) once per group; so does the padded forward where
+        `padded_shares_prompt` (the actor's; the critic's padded forward runs every row whole)."""
         config = self.config
+        padded = padded_forward_tokens(sequences, attention_mask, shared_prefix if padded_shares_prompt else 0)
         return bool(config.pack_sequences and config.max_tokens_per_micro_batch) and packs_fewer_tokens(
-            model, sequences, attention_mask, padded_forward_tokens(sequences, attention_mask, shared_prefix),
-            shared_prefix)
+            model, sequences, attention_mask, padded, shared_prefix)
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global
@@ -706,7 +709,9 @@ class PPOTrainer:
         if kept is not None and kept.shape[1] == exp.sequences.shape[1] and kept.shape[0] == len(rows):
             values = kept.index_select(0, rows.to(kept.device))[:, :-1]
         else:
-            values = self.critic_forward(exp.sequences, exp.attention_mask)[:, :-1]
+            shifted = response_prefix(exp.action_mask)  # as micro_step's response start
+            share = shifted + 1 if shifted and self.shares_prompts else 0
+            values = self.critic_forward(exp.sequences, exp.attention_mask, share)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)
         self.critic.backward(weight * v_loss)

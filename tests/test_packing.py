@@ -238,25 +238,31 @@ def test_a_pack_that_scores_nothing_still_runs_one_forward_with_a_graph(tiny_mod
 @pytest.mark.usefixtures("one_thread")
 def test_packed_values_match_the_padded_value_model(tiny_model_dirs, family):
     """A value model's per-token values (and their gradients) from packed forwards equal the padded
-    forward's at every real token (budgets of one row per pack and of all rows in one)."""
+    forward's at every real token (budgets of one row per pack and of all rows in one; rows of a
+    group running their prompt once)."""
     from rlhf.engine.packing import packed_values
     from rlhf.models.value_model import ValueModel
 
     critic = ValueModel.from_causal_lm_dir(tiny_model_dirs[family], head_init_std=0.5).float()
-    sequences, mask = ragged_batch()
-    real = mask.bool()
-    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * real
-    padded = critic(sequences, mask)
-    (padded * weights).sum().backward()
-    want = [p.grad.clone() for p in critic.parameters()]
-    for budget in (1, int(mask.sum())):
+    for shared in (0, PROMPT):
+        sequences, mask = ragged_batch()
+        if shared:  # rows 0-2 and 3-5 share a prompt
+            groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])
+            sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+        real = mask.bool()
+        weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * real
         critic.zero_grad()
-        packed = packed_values(critic, sequences, mask, budget)
-        (packed * weights).sum().backward()
-        torch.testing.assert_close(packed[real], padded[real].detach(), atol=2e-5, rtol=1e-5)
-        assert not bool(packed[~real].any())
-        for p, g in zip(critic.parameters(), want):
-            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+        padded = critic(sequences, mask)
+        (padded * weights).sum().backward()
+        want = [p.grad.clone() for p in critic.parameters()]
+        for budget in (1, int(mask.sum())):
+            critic.zero_grad()
+            packed = packed_values(critic, sequences, mask, budget, shared)
+            (packed * weights).sum().backward()
+            torch.testing.assert_close(packed[real], padded[real].detach(), atol=2e-5, rtol=1e-5)
+            assert not bool(packed[~real].any())
+            for p, g in zip(critic.parameters(), want):
+                torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -135,12 +135,18 @@ def test_token_budget_micro_batches_train_as_one_micro_batch(tiny_model_dirs, pr
 
 
 def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path, monkeypatch) -> None:
-    """A budget that holds the whole minibatch of left-padded rows: the actor's, the critic's, the
-    reference model's and the reward model's forwards run packed (--pack-sequences) and the steps
-    are the padded ones."""
+    """A budget that holds the whole minibatch of left-padded rows, sampled in pairs: the actor's,
+    the critic's, the reference model's and the reward model's forwards run packed
+    (--pack-sequences; each pair's prompt once where they share it) and the steps are the padded ones."""
     from rlhf.engine import inference
     from rlhf.stages import ppo
 
+    from rlhf.engine import packing
+
+    units: list[int] = []
+    real_units = packing.pack_units
+    monkeypatch.setattr(packing, "pack_units", lambda *a, **k: units.extend(
+        len(u.rows) for u in real_units(*a, **k)) or real_units(*a, **k))
     calls = {"actor": 0, "ref": 0, "critic": 0, "reward": 0}
     for module, name, key in ((ppo, "packed_logprobs", "actor"), (inference, "packed_logprobs", "ref"),
                               (ppo, "packed_values", "critic"), (inference, "packed_scores", "reward")):
@@ -154,11 +160,12 @@ def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_
     ValueModel.from_causal_lm_dir(model, head_init_std=0.5).save_pretrained(reward_model)
     load_tokenizer(str(model)).save_pretrained(reward_model)
     fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8", "--max-tokens-per-micro-batch", "400",
-             "--reward", str(reward_model))
+             "--reward", str(reward_model), "--samples-per-prompt", "2", "--temperature", "1.0")
     padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences")
     assert calls == {"actor": 0, "ref": 0, "critic": 0, "reward": 0}
     packed = _ppo(model, prompts, tmp_path / "packed", *fixed)
     assert all(calls.values()), calls
+    assert max(units) == 2  # a pair's prompt runs once
     for a, b in zip(packed, padded):
         for key in ("critic_grad_norm", "actor_grad_norm", "kl", "score_mean", "policy_loss", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

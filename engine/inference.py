@@ -80,7 +80,7 @@ class FrozenModel:
         rows' real tokens run packed (engine/packing.py, packs of at most that many tokens) where
         the model packs and that runs fewer tokens than the padded micro-batches."""
         budget = min(pack_budget, MAX_PACK_TOKENS)
-        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix, budget):
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix, budget, shared_prefix):
             return packed_logprobs(self.model, sequences, attention_mask, response_start, budget,
                                    shared_prefix=shared_prefix)[0]
         if shared_prefix > 0:
@@ -93,15 +93,16 @@ class FrozenModel:
                                         sort=shared_prefix == 0)
 
     def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int,
-                            budget: int) -> bool:
+                            budget: int, padded_shared_prefix: int) -> bool:
         """A packed forward applies (the model packs, each row's real tokens are one run, and it is
         not sharded: FSDP2 needs as many forwards on every rank, and packs differ between ranks) and
-        its packs of `budget` tokens (as many as the rows need) run fewer tokens than the padded
-        micro-batches would (each shared prompt counted once)."""
+        its packs of `budget` tokens (as many as the rows need; each group's first `shared_prefix`
+        columns once) run fewer tokens than the padded micro-batches would (each group's first
+        `padded_shared_prefix` columns once: the log-prob forward shares prompts, the scores' not)."""
         if isinstance(self.model, FSDPModule):
             return False
-        if shared_prefix > 0:
-            padded = padded_forward_tokens(sequences, attention_mask, shared_prefix)
+        if padded_shared_prefix > 0:
+            padded = padded_forward_tokens(sequences, attention_mask, padded_shared_prefix)
         else:
             padded = sum(padded_tokens(attention_mask[rows])
                          for rows in length_sorted_micro_batches(attention_mask, self.micro_batch_size))
@@ -109,13 +110,15 @@ class FrozenModel:
                                   budget=budget)
 
     @torch.no_grad()
-    def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0) -> torch.Tensor:
+    def scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_budget: int = 0,
+               shared_prefix: int = 0) -> torch.Tensor:
         """Sequence scores ([B]) of a value/reward model at each row's last real token (micro-batches
         of rows of similar length, without their all-padding columns). With `pack_budget` > 0 the
-        rows' real tokens run packed (`packed_scores`) where that runs fewer tokens, as `logprobs`."""
+        rows' real tokens run packed (`packed_scores`; rows sharing their first `shared_prefix`
+        columns run them once) where that runs fewer tokens, as `logprobs`."""
         budget = min(pack_budget, MAX_PACK_TOKENS)
-        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, 0, budget):
-            return packed_scores(self.model, sequences, attention_mask, budget)
+        if pack_budget > 0 and self._packs_fewer_tokens(sequences, attention_mask, shared_prefix, budget, 0):
+            return packed_scores(self.model, sequences, attention_mask, budget, shared_prefix)
         return forward_in_micro_batches(
             lambda s, m, lo: self.model.score(s, m, position_ids=position_ids_from_mask(m)), sequences,
             attention_mask, self.micro_batch_size).float()

@@ -290,14 +290,16 @@ def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
     return out
 
 
-def packed_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int) -> torch.Tensor:
+def packed_scores(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
+                  shared_prefix: int = 0) -> torch.Tensor:
     """Sequence scores [B] (float32) of a value / reward model, each row's value at its last real
-    token (`ValueModel.score`), from forwards over packs of the rows' real tokens. Differentiable;
-    a ValueError where a row has no real token or its real tokens are not one run."""
+    token (`ValueModel.score`), from forwards over packs of the rows' real tokens (a group's shared
+    prompt, first `shared_prefix` columns, run once). Differentiable; a ValueError where a row has
+    no real token or its real tokens are not one run."""
     if bool((attention_mask.sum(dim=1) == 0).any()):
         raise ValueError("packed_scores: a row has no real token to score")
     out = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
-    for layout in _packs(sequences, attention_mask, budget):
+    for layout in _packs(sequences, attention_mask, budget, shared_prefix):
         values = model(**layout.inputs)[0]
         rows = list(layout.where)
         last = torch.stack([layout.where[row][-1] for row in rows])

@@ -432,8 +432,9 @@ class PPOTrainer:
         """The reward sources' scores, then the shaped score that enters the reward: missing-EOS
         and overlong penalties, clipped to --reward-clip (the clipped rows are counted)."""
         config = self.config
+        shared = response_prefix(rollouts.action_mask) if self.shares_prompts else 0  # a group's prompt
         raw = self.reward.score(rollouts.sequences, rollouts.attention_mask, rollouts.prompts, rollouts.responses,
-                                rollouts.fields)
+                                rollouts.fields, shared)
         overlong = None
         if config.overlong_buffer > 0:
             overlong = overlong_penalty(rollouts.response_lengths, config.max_new_tokens, config.overlong_buffer,

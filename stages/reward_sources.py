@@ -59,13 +59,14 @@ Fields = list[dict[str, Any]] | None  # one dict of extra data columns per row; 
 
 
 class RewardSource(Protocol):
-    """Scores this rank's rollouts: [B] float32 on the rollouts' device, one per sequence."""
+    """Scores this rank's rollouts: [B] float32 on the rollouts' device, one per sequence.
+    `shared_prefix`: rows that share their first that many columns (a sampled group's prompt)."""
 
     name: str
     normalization: tuple[float, float] | None
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None) -> torch.Tensor: ...
+              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor: ...
 
 
 @dataclass
@@ -87,9 +88,9 @@ class RewardModelSource:
     pack_budget: int = 0
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None) -> torch.Tensor:
-        if self.tokenizer is None:
-            return self.model.scores(sequences, attention_mask, self.pack_budget)
+              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
+        if self.tokenizer is None:  # packed, a group's prompt runs once
+            return self.model.scores(sequences, attention_mask, self.pack_budget, shared_prefix)
         ids, mask, truncated = retokenize_for_reward(prompts, responses, self.tokenizer, self.max_len)
         self.truncated += truncated
         return self.model.scores(ids.to(sequences.device), mask.to(sequences.device), self.pack_budget)
@@ -108,7 +109,7 @@ class FunctionRewardSource:
         return self.function.name
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None) -> torch.Tensor:
+              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
         rows = fields if fields is not None else [{} for _ in responses]
         values = self.function([prompt_text(p) for p in prompts], responses, rows)
         return torch.tensor(values, dtype=torch.float32, device=sequences.device)
@@ -134,11 +135,12 @@ class WeightedReward:
     normalization: tuple[float, float] | None = None
 
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None) -> torch.Tensor:
+              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
         total = torch.zeros(len(responses), dtype=torch.float32, device=sequences.device)
         components = {}
         for source, weight in zip(self.sources, self.weights, strict=True):
-            raw = source.score(sequences, attention_mask, prompts, responses, fields).float().to(sequences.device)
+            raw = source.score(sequences, attention_mask, prompts, responses, fields,
+                               shared_prefix).float().to(sequences.device)
             components[source.name] = raw
             total += weight * normalized(raw, source.normalization)
         self.components = components

@@ -287,8 +287,14 @@ def test_packed_scores_match_the_padded_reward_model(tiny_model_dirs, ctx):
         torch.testing.assert_close(packed, padded.detach(), atol=2e-5, rtol=1e-5)
         for p, g in zip(scorer.parameters(), want):
             torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])  # rows of a prompt: its tokens run once, the same scores
+    grouped, grouped_mask = sequences.clone(), mask.clone()
+    grouped[:, :PROMPT], grouped_mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    with torch.no_grad():
+        torch.testing.assert_close(packed_scores(scorer, grouped, grouped_mask, 64, PROMPT),
+                                   scorer.score(grouped, grouped_mask), atol=2e-5, rtol=1e-5)
     frozen = FrozenModel(scorer, ctx, zero_stage=3, dtype="fp32", offload=False, micro_batch_size=64, name="reward")
-    assert frozen._packs_fewer_tokens(sequences, mask, 0, 64)
+    assert frozen._packs_fewer_tokens(sequences, mask, 0, 64, 0)
     torch.testing.assert_close(frozen.scores(sequences, mask, pack_budget=64), padded.detach(), atol=2e-5, rtol=1e-5)
     empty = mask.clone()
     empty[0] = 0

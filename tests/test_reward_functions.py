@@ -226,7 +226,7 @@ def test_sources_are_normalised_by_their_own_statistics() -> None:
     class Constant:
         name, normalization = "reward_model", (1.0, 2.0)
 
-        def score(self, sequences, attention_mask, prompts, responses, fields=None):
+        def score(self, sequences, attention_mask, prompts, responses, fields=None, shared_prefix=0):
             return torch.tensor([5.0, 1.0])
 
     task = FunctionRewardSource(load_reward_function("sort"))

@@ -272,15 +272,23 @@ class FastLlamaDecoder:
         its keys and values copied to each of its samples' rows; `index` in repeat_interleave order).
 
         Only the filled prefix is copied, layer by layer, so the old cache of the unique prompts
-        is released as the new one fills. The fused CPU step holds the cache and the batch size:
-        it is rebuilt over the new buffers (it shares the weights, so that costs no copy).
+        is released as the new one fills. Dropping finished rows (`index` increasing) moves the kept
+        rows' filled prefixes to the front of the cache in place: no fresh buffers to fault in.
+        The fused CPU step holds the cache and the batch size: it is rebuilt over the new buffers
+        (it shares the weights, so that costs no copy).
         """
         kernel_isa, self._kernel_step = self.kernel_isa, None  # drop its references to the old cache
+        dropping = index.numel() <= self.keys[0].shape[0] and bool((index[1:] > index[:-1]).all())
         for cache in (self.keys, self.values):
             for i, old in enumerate(cache):
-                new = old.new_empty((index.numel(), *old.shape[1:]))
-                new.narrow(2, 0, self.length).copy_(old.narrow(2, 0, self.length).index_select(0, index))
-                cache[i] = new
+                filled = old.narrow(2, 0, self.length)
+                if dropping:
+                    filled[: index.numel()] = filled.index_select(0, index)
+                    cache[i] = old[: index.numel()]
+                else:
+                    new = old.new_empty((index.numel(), *old.shape[1:]))
+                    new.narrow(2, 0, self.length).copy_(filled.index_select(0, index))
+                    cache[i] = new
         if kernel_isa is not None:
             self._kernel_step = self._build_kernel_step(True, kernel_isa)
         self.uses_attention_kernel = self._wants_attention_kernel(index.numel())

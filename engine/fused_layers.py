@@ -32,7 +32,8 @@ from torch import nn
 from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
-    "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "rms_norm", "rms_norm_reference", "rope",
+    "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "rms_norm",
+    "rms_norm_reference", "rope",
     "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
 ]
 
@@ -334,6 +335,13 @@ def fuse_layer_ops(model: nn.Module) -> int:
             module.__class__ = _fused_class(type(module), mixin)
             swapped += 1
     return swapped
+
+
+def fused_attention_runs(model: nn.Module) -> bool:
+    """`model`'s attention runs the fused kernels (when a call's mask and shapes let it): its
+    layers are swapped (`fuse_layer_ops`) and its weights are float32 on the CPU with the op built."""
+    param = next(model.parameters(), None)
+    return uses_fused_layers(model) and param is not None and _op(param) is not None
 
 
 def uses_fused_layers(model: nn.Module) -> bool:

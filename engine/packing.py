@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlhf.engine.fused_layers import fused_attention_runs
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 from rlhf.engine.micro_batches import (
     MAX_PACK_TOKENS, budget_partition, forward_tokens, padded_tokens, real_spans, token_budget_micro_batches,
@@ -54,6 +55,11 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
         return f"model type {model_type!r} is not one of {sorted(PACKED_FAMILIES)}"
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {model.config._attn_implementation!r} takes no 4D boolean mask"
+    if not fused_attention_runs(model):
+        # SDPA (GPU, bf16, --compile) computes every pair of an [N, N] mask: over a pack of short
+        # rows that is more attention than the padding it saves (a GPU would want varlen flash
+        # attention, not wired yet).
+        return "its attention is not the fused CPU kernels (float32, --fused-layers), the ones that skip what a pack's mask hides"
     return None
 
 

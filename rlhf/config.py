@@ -165,7 +165,7 @@ class StageConfig(RunConfig):
     max_tokens_per_micro_batch: int = bounded(0, ge=0)
     """Regroup each optimizer step's rows (micro_batch_size x grad_accum per rank) by length into micro-batches of at most this many padded tokens, as many on every rank: the loss is normalised by the step's global token (pair) count either way, so the step is the same, with less padding. 0: micro_batch_size rows each."""
     pack_sequences: bool = True
-    """With --max-tokens-per-micro-batch, each micro-batch's forward (sft: the LM's; reward: the chosen and rejected sequences' scores) runs its rows' real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; not LoRA), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward; same loss and gradients up to rounding."""
+    """With --max-tokens-per-micro-batch, each micro-batch's forward (sft: the LM's; reward: the chosen and rejected sequences' scores) runs its rows' real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; not LoRA; float32 on the CPU with --fused-layers), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward; same loss and gradients up to rounding."""
 
 
 @dataclass
@@ -235,7 +235,7 @@ class PPOConfig(RunConfig):
     share_prompt_forward: bool = True
     """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (its keys/values copied to the group's rows; same log-probs and gradients up to rounding)."""
     pack_sequences: bool = True
-    """With --max-tokens-per-micro-batch, the actor's, the critic's, the reference model's and the reward model's forwards run each micro-batch's real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward (shared prompts counted once); same log-probs and gradients up to rounding."""
+    """With --max-tokens-per-micro-batch, the actor's, the critic's, the reference model's and the reward model's forwards run each micro-batch's real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; float32 on the CPU with --fused-layers), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward (shared prompts counted once); same log-probs and gradients up to rounding."""
     actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
     critic_zero_stage: ZeroStage | None = None

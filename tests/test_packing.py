@@ -23,11 +23,14 @@ from tests.conftest import ragged_batch
 @pytest.mark.parametrize("budget", [1, 20, 4096])
 @pytest.mark.usefixtures("one_thread")
 def test_packed_logprobs_match_the_padded_forward(tiny_model_dirs, family, budget):
+    """Packs through the fused kernels against Hugging Face's padded forward; a model packs only
+    where its attention is the fused kernels (which skip what the pack's mask hides)."""
     model = load_causal_lm(str(tiny_model_dirs[family])).float().eval()
-    assert packing_unsupported_reason(model) is None
+    assert "fused" in packing_unsupported_reason(model)
     sequences, mask = ragged_batch()
     with torch.no_grad():
         padded = causal_lm_logprobs(model, sequences, mask)[0]
+        assert fused_layers.fuse_layer_ops(model) > 0 and packing_unsupported_reason(model) is None
         packed = packed_logprobs(model, sequences, mask, PROMPT, budget)[0]
     scored = mask[:, 1:].bool() & mask[:, :-1].bool()  # position t scores real column t + 1 after a real token
     scored[:, : PROMPT - 1] = False  # only the response is scored
@@ -210,10 +213,11 @@ def test_packed_sft_loss_equals_the_padded_loss(tiny_model_dirs, monkeypatch):
     real = sft.packed_logprobs
     monkeypatch.setattr(sft, "packed_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    want, want_n, _ = sft.sft_loss(model, batch)
+    want, want_n, _ = sft.sft_loss(model, batch)  # Hugging Face's padded forward
     want.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    fused_layers.fuse_layer_ops(model)  # packs run where attention is the fused kernels
     got, got_n, _ = sft.packed_sft_loss(model, batch)
     got.backward()
     assert calls == [1] and got_n == want_n == float(batch["num_units"])

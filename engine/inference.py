@@ -21,7 +21,9 @@ from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dt
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches, length_sorted_micro_batches, padded_tokens
-from rlhf.engine.packing import MAX_PACK_TOKENS, packed_logprobs, packed_scores, packs_fewer_tokens
+from rlhf.engine.packing import (
+    MAX_PACK_TOKENS, packed_logprobs, packed_scores, packing_unsupported_reason, packs_fewer_tokens,
+)
 from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, shared_prompt_logprobs
 from rlhf.logging import get_logger
 
@@ -92,6 +94,12 @@ class FrozenModel:
         return forward_in_micro_batches(forward, sequences, attention_mask, self.micro_batch_size,
                                         sort=shared_prefix == 0)
 
+    def packing_unsupported_reason(self) -> str | None:
+        """Why this model's forwards never run packed, or None when they can (`logprobs`, `scores`)."""
+        if isinstance(self.model, FSDPModule):
+            return "sharded over ranks (FSDP2 needs as many forwards on every rank; packs would differ)"
+        return packing_unsupported_reason(self.model)
+
     def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int,
                             budget: int, padded_shared_prefix: int) -> bool:
         """A packed forward applies (the model packs, each row's real tokens are one run, and it is
@@ -99,7 +107,7 @@ class FrozenModel:
         its packs of `budget` tokens (as many as the rows need; each group's first `shared_prefix`
         columns once) run fewer tokens than the padded micro-batches would (each group's first
         `padded_shared_prefix` columns once: the log-prob forward shares prompts, the scores' not)."""
-        if isinstance(self.model, FSDPModule):
+        if self.packing_unsupported_reason() is not None:
             return False
         if padded_shared_prefix > 0:
             padded = padded_forward_tokens(sequences, attention_mask, padded_shared_prefix)

@@ -38,8 +38,11 @@ from rlhf.engine.micro_batches import (
     MAX_PACK_TOKENS, budget_partition, forward_tokens, padded_tokens, real_spans, token_budget_micro_batches,
 )
 from rlhf.engine.prompt_sharing import prompt_groups
+from rlhf.logging import get_logger
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "pack_rows", "pack_units", "packed_logprobs", "packed_micro_batches", "packed_scores",
+log = get_logger(__name__)
+
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "log_packing", "pack_rows", "pack_units", "packed_logprobs", "packed_micro_batches", "packed_scores",
            "packed_tokens", "packed_values", "packing_unsupported_reason", "packs_fewer_tokens"]
 
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
@@ -61,6 +64,12 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
         # attention, not wired yet).
         return "its attention is not the fused CPU kernels (float32, --fused-layers), the ones that skip what a pack's mask hides"
     return None
+
+
+def log_packing(reasons: dict[str, str | None]) -> None:
+    """One log line: which models' forwards can run packed (reason None) and why the others cannot."""
+    log.info("packed forwards (--pack-sequences): %s",
+             "; ".join(f"{name} {'yes' if why is None else f'no: {why}'}" for name, why in reasons.items()))
 
 
 def packs_fewer_tokens(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, padded_tokens: int,

@@ -67,7 +67,7 @@ from rlhf.engine.micro_batches import (
 )
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.packing import (
-    packed_logprobs, packed_micro_batches, packed_values, packing_unsupported_reason, packs_fewer_tokens,
+    log_packing, packed_logprobs, packed_micro_batches, packed_values, packing_unsupported_reason, packs_fewer_tokens,
 )
 from rlhf.engine.prompt_sharing import (
     padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
@@ -334,6 +334,12 @@ class PPOTrainer:
                                    config.engine.micro_batch_size, "ref", compile=config.engine.compile,
                                    weights=ref_weights, fused_layers=config.engine.fused_layers)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
+        if config.pack_sequences and config.max_tokens_per_micro_batch:
+            reward_model = self.reward.model_source
+            log_packing({"actor": packing_unsupported_reason(self.actor.model),
+                         **({"critic": packing_unsupported_reason(self.critic.model)} if self.critic else {}),
+                         "ref": self.ref.packing_unsupported_reason(),
+                         **({"reward": reward_model.model.packing_unsupported_reason()} if reward_model else {})})
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
         self.ema = ParameterEMA(self.actor.model, config.ema_decay) if config.ema_decay > 0 else None

@@ -27,7 +27,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
-from rlhf.engine.packing import packing_unsupported_reason
+from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
@@ -361,6 +361,8 @@ def run_training(
     epoch = start_epoch
     # The losses pack their forwards where that runs fewer tokens (sft, reward with --pack-sequences).
     packed = config.pack_sequences and packing_unsupported_reason(engine.model) is None
+    if config.pack_sequences and config.max_tokens_per_micro_batch:
+        log_packing({stage: packing_unsupported_reason(engine.model)})
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]

@@ -98,7 +98,7 @@ class FrozenModel:
         """Why this model's forwards never run packed, or None when they can (`logprobs`, `scores`)."""
         if isinstance(self.model, FSDPModule):
             return "sharded over ranks (FSDP2 needs as many forwards on every rank; packs would differ)"
-        return packing_unsupported_reason(self.model)
+        return packing_unsupported_reason(self.model, self.ctx.device)
 
     def _packs_fewer_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int,
                             budget: int, padded_shared_prefix: int) -> bool:

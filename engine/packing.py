@@ -42,15 +42,20 @@ from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "log_packing", "pack_rows", "pack_units", "packed_logprobs", "packed_micro_batches", "packed_scores",
-           "packed_tokens", "packed_values", "packing_unsupported_reason", "packs_fewer_tokens"]
+__all__ = ["MAX_PACK_TOKENS", "PACKED_FAMILIES", "log_packing", "pack_rows", "pack_units", "packed_logprobs",
+           "packed_micro_batches", "packed_scores", "packed_tokens", "packed_values", "packing_unsupported_reason",
+           "packs_fewer_tokens"]
 
 PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 """Model types (config.model_type) whose packed forward equals the padded one."""
 
 
-def packing_unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot run packed forwards, or None when it can."""
+def packing_unsupported_reason(model: nn.Module, device: torch.device | None = None) -> str | None:
+    """Why `model` cannot run packed forwards (computing on `device` when given: with offload its
+    weights live on the CPU while it computes elsewhere), or None when it can."""
+    if device is not None and device.type != "cpu":
+        return (f"it computes on {device.type}, where the fused CPU attention kernels (the ones that skip what a "
+                "pack's mask hides) do not run")
     if hasattr(model, "peft_config"):
         return "a LoRA (peft) model: its forward is not checked with packed inputs"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -62,7 +67,8 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
         # SDPA (GPU, bf16, --compile) computes every pair of an [N, N] mask: over a pack of short
         # rows that is more attention than the padding it saves (a GPU would want varlen flash
         # attention, not wired yet).
-        return "its attention is not the fused CPU kernels (float32, --fused-layers), the ones that skip what a pack's mask hides"
+        return ("its attention is not the fused CPU kernels (float32, --fused-layers), the ones that skip what a "
+                "pack's mask hides")
     return None
 
 
@@ -79,7 +85,7 @@ def packs_fewer_tokens(model: nn.Module, sequences: torch.Tensor, attention_mask
     padded forward would (`packed_tokens`: rows sharing their first `shared_prefix` columns run
     them once) and (`one_forward`: a trained model's micro-batch is one forward on every rank) at
     most MAX_PACK_TOKENS."""
-    if packing_unsupported_reason(model) is not None or real_spans(attention_mask) is None:
+    if packing_unsupported_reason(model, attention_mask.device) is not None or real_spans(attention_mask) is None:
         return False
     real = packed_tokens(sequences, attention_mask, shared_prefix, budget)
     return forward_tokens(real, padded_tokens, packs=True, one_forward=one_forward) < padded_tokens

@@ -335,14 +335,21 @@ class PPOTrainer:
                                    weights=ref_weights, fused_layers=config.engine.fused_layers)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         if config.pack_sequences and config.max_tokens_per_micro_batch:
-            reward_model = self.reward.model_source
-            log_packing({"actor": packing_unsupported_reason(self.actor.model),
-                         **({"critic": packing_unsupported_reason(self.critic.model)} if self.critic else {}),
-                         "ref": self.ref.packing_unsupported_reason(),
-                         **({"reward": reward_model.model.packing_unsupported_reason()} if reward_model else {})})
+            log_packing(self.packing_reasons())
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
         self.ema = ParameterEMA(self.actor.model, config.ema_decay) if config.ema_decay > 0 else None
+
+    def packing_reasons(self) -> dict[str, str | None]:
+        """Each model's reason its forwards never run packed (None: they can), for the log."""
+        device = self.ctx.device
+        reasons = {"actor": packing_unsupported_reason(self.actor.model, device)}
+        if self.critic is not None:
+            reasons["critic"] = packing_unsupported_reason(self.critic.model, device)
+        reasons["ref"] = self.ref.packing_unsupported_reason()
+        if self.reward.model_source is not None:
+            reasons["reward"] = self.reward.model_source.model.packing_unsupported_reason()
+        return reasons
 
     def resume(self) -> int:
         """With --resume, the trainer's resume (engines, RNG, metrics) plus the KL coefficient and
@@ -548,11 +555,13 @@ class PPOTrainer:
         with --samples-per-prompt > 1; see engine/prompt_sharing.py)."""
         return self.config.share_prompt_forward and self.group_size > 1
 
-    def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+    def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                       shared_prefix: int = 0) -> torch.Tensor:
         """The critic's values [B, T]; packed in one forward where `packs` says so (rows sharing
         their first `shared_prefix` columns running them once)."""
         if self.packs(self.critic.model, sequences, attention_mask, shared_prefix, padded_shares_prompt=False):
-            return packed_values(self.critic.model, sequences, attention_mask, int(attention_mask.sum()), shared_prefix)
+            return packed_values(self.critic.model, sequences, attention_mask, int(attention_mask.sum()),
+                                 shared_prefix)
         return critic_values(self.critic.model, sequences, attention_mask)
 
     def policy_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_start: int, share: bool,
@@ -651,7 +660,7 @@ class PPOTrainer:
             parts = [minibatch[s] for s in micro_batch_slices(len(minibatch), micro)]
             return parts, [MicroWeight(1.0, 1.0)] * len(parts)
         mask = exp.attention_mask[minibatch]
-        if self.config.pack_sequences and all(packing_unsupported_reason(engine.model) is None
+        if self.config.pack_sequences and all(packing_unsupported_reason(engine.model, self.ctx.device) is None
                                               for engine in (self.actor, self.critic) if engine is not None):
             shifted = response_prefix(exp.action_mask[minibatch])  # as micro_step's response start
             share = shifted + 1 if shifted and self.shares_prompts else 0

@@ -360,9 +360,9 @@ def run_training(
     started = time.perf_counter()
     epoch = start_epoch
     # The losses pack their forwards where that runs fewer tokens (sft, reward with --pack-sequences).
-    packed = config.pack_sequences and packing_unsupported_reason(engine.model) is None
+    packed = config.pack_sequences and packing_unsupported_reason(engine.model, ctx.device) is None
     if config.pack_sequences and config.max_tokens_per_micro_batch:
-        log_packing({stage: packing_unsupported_reason(engine.model)})
+        log_packing({stage: packing_unsupported_reason(engine.model, ctx.device)})
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]

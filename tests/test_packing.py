@@ -93,9 +93,15 @@ def test_packed_micro_batches_hold_the_tokens_their_packs_run() -> None:
 
 
 def test_families_that_do_not_pack(tiny_model_dirs) -> None:
+    """Other families, and a model that computes off the CPU (offloaded weights on the CPU,
+    activations on a GPU: SDPA would compute every pair of the pack's mask), keep padded forwards."""
     for family in ("gpt2", "opt"):
         reason = packing_unsupported_reason(load_causal_lm(str(tiny_model_dirs[family])))
         assert reason is not None and family in reason
+    model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
+    fused_layers.fuse_layer_ops(model)
+    assert packing_unsupported_reason(model, torch.device("cpu")) is None
+    assert "cuda" in packing_unsupported_reason(model, torch.device("cuda"))
 
 
 @pytest.fixture(scope="module")

@@ -279,11 +279,14 @@ class FastLlamaDecoder:
         """
         kernel_isa, self._kernel_step = self.kernel_isa, None  # drop its references to the old cache
         dropping = index.numel() <= self.keys[0].shape[0] and bool((index[1:] > index[:-1]).all())
+        # Rows before the first dropped one stay where they are.
+        moved = index != torch.arange(index.numel(), device=index.device)
+        first_moved = int(moved.int().argmax()) if bool(moved.any()) else index.numel()
         for cache in (self.keys, self.values):
             for i, old in enumerate(cache):
                 filled = old.narrow(2, 0, self.length)
                 if dropping:
-                    filled[: index.numel()] = filled.index_select(0, index)
+                    filled[first_moved : index.numel()] = filled.index_select(0, index[first_moved:])
                     cache[i] = old[: index.numel()]
                 else:
                     new = old.new_empty((index.numel(), *old.shape[1:]))

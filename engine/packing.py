@@ -20,8 +20,11 @@ skip the whole score tiles between them that no query of a block sees (the other
 nothing is computed across rows. The prompt's last position scores every response's first token.
 
 Applies to decoder-only models whose positions come from `position_ids` (RoPE: the Llama, Qwen2
-and Mistral families); OPT derives positions from the attention mask and GPT-2 checkpoints
-differ in how they take a 4D mask, so they keep the padded forward (`packing_unsupported_reason`).
+and Mistral families) and whose attention is the fused CPU kernels (float32, --fused-layers), the
+ones that skip what a pack's mask hides: SDPA (a GPU, bf16, --compile) would compute every pair
+of the [N, N] mask, more than the padding saved. OPT derives positions from the attention mask
+and GPT-2 checkpoints differ in how they take a 4D mask. The others keep the padded forward
+(`packing_unsupported_reason` says why; `log_packing` logs it once per run).
 """
 
 from __future__ import annotations

@@ -192,15 +192,20 @@ def test_group_packs_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
-def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts) -> None:
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts, estimator: str) -> None:
     """Ranks cut their rows into as many micro-batches (the most any rank needs) and weight them
-    by the global token count: 2 ranks with ZeRO-3 take the step one rank takes."""
+    by the global token count: 2 ranks with ZeRO-3 take the step one rank takes (the forwards
+    packed; with GRPO, pairs sampled per prompt run their prompt once)."""
     from tests.conftest import one_and_two_rank_metrics, tiny_actor_and_reward
 
     actor, reward = tiny_actor_and_reward(tmp_path)
+    sampling = ["--greedy"] if estimator == "gae" else ["--samples-per-prompt", "2", "--temperature", "1.0"]
     args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
-            "--max-new-tokens", "6", "--greedy", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
-            "--optimizer-impl", "torch", "--lr", "1e-3", "--max-tokens-per-micro-batch", "30"]
+            "--max-new-tokens", "6", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
+            "--optimizer-impl", "torch", "--lr", "1e-3", "--max-tokens-per-micro-batch", "30",
+            "--advantage-estimator", estimator, *sampling]
     a, b = one_and_two_rank_metrics(args, tmp_path)
-    for key in ("score_mean", "kl", "actor_grad_norm", "critic_grad_norm"):
+    keys = ("score_mean", "kl", "actor_grad_norm") + (("critic_grad_norm",) if estimator == "gae" else ())
+    for key in keys:
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

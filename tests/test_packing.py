@@ -18,6 +18,45 @@ from tests.conftest import RAGGED_PROMPT as PROMPT
 from tests.conftest import ragged_batch
 
 
+def grouped_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """`ragged_batch` whose rows 0-2 share row 0's prompt and rows 3-5 row 3's (sampled groups), row 6 alone."""
+    sequences, mask = ragged_batch()
+    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])
+    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    return sequences, mask
+
+
+def grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def assert_grads(module: torch.nn.Module, want: list[torch.Tensor]) -> None:
+    """Every parameter's gradient is `want`'s (the padded forward's) up to rounding."""
+    for p, g in zip(module.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+def scored_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1]: position t scores real column t + 1 after a real token, in the response only."""
+    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
+    scored[:, : PROMPT - 1] = False
+    return scored
+
+
+def padded_reference(model: torch.nn.Module, sequences: torch.Tensor, mask: torch.Tensor):
+    """What packed forwards must reproduce: (scored positions, their loss weights, the padded
+    forward's log-probs and entropies, the gradients of their weighted sum)."""
+    from rlhf.engine.prompt_sharing import response_logprobs
+
+    scored = scored_positions(mask)
+    weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
+    padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
+    ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
+    want = grads(model)
+    model.zero_grad()
+    return scored, weights, padded.detach(), padded_entropy.detach(), want
+
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("budget", [1, 20, 4096])
@@ -32,8 +71,7 @@ def test_packed_logprobs_match_the_padded_forward(tiny_model_dirs, family, budge
         padded = causal_lm_logprobs(model, sequences, mask)[0]
         assert fused_layers.fuse_layer_ops(model) > 0 and packing_unsupported_reason(model) is None
         packed = packed_logprobs(model, sequences, mask, PROMPT, budget)[0]
-    scored = mask[:, 1:].bool() & mask[:, :-1].bool()  # position t scores real column t + 1 after a real token
-    scored[:, : PROMPT - 1] = False  # only the response is scored
+    scored = scored_positions(mask)
     assert int(scored.sum()) > 20
     torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
     assert not bool(packed[~scored].any())  # nothing written where nothing is scored
@@ -53,8 +91,7 @@ def test_packed_forward_runs_the_fused_attention_on_the_block_mask(tiny_model_di
         padded = causal_lm_logprobs(model, sequences, mask)[0]
     total = int(mask.sum())
     assert calls[0] == (1, 1, total, total)  # one pack, real tokens only
-    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
-    scored[:, : PROMPT - 1] = False
+    scored = scored_positions(mask)
     torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
 
 
@@ -85,8 +122,7 @@ def test_packed_micro_batches_hold_the_tokens_their_packs_run() -> None:
     assert sorted(torch.cat(packed).tolist()) == list(range(7))
     assert len(packed) < len(padded)
     assert all(int(mask[rows].sum()) <= 40 or len(rows) == 1 for rows in packed)
-    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])
-    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    sequences, mask = grouped_batch()
     shared = packed_micro_batches(sequences, mask, budget=30, shared_prefix=PROMPT)  # groups of 19 and 24 tokens
     assert [sorted(rows.tolist()) for rows in shared] == [[3, 4, 5], [0, 1, 2, 6]]
     assert [packed_tokens(sequences[rows], mask[rows], PROMPT) for rows in shared] == [24, 23]
@@ -128,8 +164,7 @@ def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, m
     assert packed_calls == []
     packed = frozen.logprobs(sequences, mask, shared_prefix=PROMPT, response_start=PROMPT, pack_budget=64)
     assert packed_calls == [1]
-    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
-    scored[:, : PROMPT - 1] = False
+    scored = scored_positions(mask)
     torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
     # Rows of one length sharing one full prompt: the padded path runs it once (packs: once per two
     # rows), so it runs fewer tokens and is kept.
@@ -145,23 +180,13 @@ def test_frozen_model_packs_where_that_runs_fewer_tokens(tiny_model_dirs, ctx, m
 def test_packed_training_forward_has_the_padded_gradients(tiny_model_dirs, family):
     """One packed forward (log-probs and entropy of the response) back-propagates the padded
     forward's gradients into every parameter."""
-    from rlhf.engine.prompt_sharing import response_logprobs
-
     model = load_causal_lm(str(tiny_model_dirs[family])).float()
     sequences, mask = ragged_batch()
-    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
-    scored[:, : PROMPT - 1] = False
-    weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
-
-    padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
-    ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
-    want = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    scored, weights, _, padded_entropy, want = padded_reference(model, sequences, mask)
     packed, entropy = packed_logprobs(model, sequences, mask, PROMPT, int(mask.sum()), with_entropy=True)
     ((packed * weights).sum() + (entropy * weights).sum()).backward()
     torch.testing.assert_close(entropy[scored], padded_entropy[scored], atol=2e-5, rtol=1e-5)
-    for p, g in zip(model.parameters(), want):
-        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    assert_grads(model, want)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -171,34 +196,25 @@ def test_shared_prompt_packs_have_the_padded_logprobs_and_gradients(tiny_model_d
     | response 2 | ...], a group over the budget cut into units within it): the log-probs,
     entropies and gradients are the padded forward's (HF attention and the fused kernels)."""
     from rlhf.engine.packing import pack_units
-    from rlhf.engine.prompt_sharing import response_logprobs
 
     model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
     if fused:
         assert fused_layers.fuse_layer_ops(model) > 0
-    sequences, mask = ragged_batch()
-    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])  # two prompts of three rows, one row alone
-    sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+    sequences, mask = grouped_batch()  # two prompts of three rows, one row alone
     units = pack_units(sequences, mask, PROMPT)
     assert sorted(u.rows for u in units) == [(0, 1, 2), (3, 4, 5), (6,)]
     assert sum(u.tokens for u in units) == int(mask.sum()) - 2 * int(mask[0, :PROMPT].sum() + mask[3, :PROMPT].sum())
     assert max(len(u.rows) for u in pack_units(sequences, mask, PROMPT, budget=16)) == 2
-    scored = mask[:, 1:].bool() & mask[:, :-1].bool()
-    scored[:, : PROMPT - 1] = False
-    weights = torch.rand(scored.shape, generator=torch.Generator().manual_seed(3)) * scored
-    padded, padded_entropy = response_logprobs(model, sequences, mask, PROMPT, with_entropy=True)
-    ((padded * weights).sum() + (padded_entropy * weights).sum()).backward()
-    want = [p.grad.clone() for p in model.parameters()]
+    scored, weights, padded, padded_entropy, want = padded_reference(model, sequences, mask)
     for budget in (1, 16, int(mask.sum())):
         model.zero_grad()
         packed, entropy = packed_logprobs(model, sequences, mask, PROMPT, budget, with_entropy=True,
                                           shared_prefix=PROMPT)
         ((packed * weights).sum() + (entropy * weights).sum()).backward()
-        torch.testing.assert_close(packed[scored], padded[scored].detach(), atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(entropy[scored], padded_entropy[scored].detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[scored], padded[scored], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[scored], padded_entropy[scored], atol=2e-5, rtol=1e-5)
         assert not bool(packed[~scored].any())
-        for p, g in zip(model.parameters(), want):
-            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+        assert_grads(model, want)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -221,15 +237,14 @@ def test_packed_sft_loss_equals_the_padded_loss(tiny_model_dirs, monkeypatch):
 
     want, want_n, _ = sft.sft_loss(model, batch)  # Hugging Face's padded forward
     want.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    padded_grads = grads(model)
     model.zero_grad()
     fused_layers.fuse_layer_ops(model)  # packs run where attention is the fused kernels
     got, got_n, _ = sft.packed_sft_loss(model, batch)
     got.backward()
     assert calls == [1] and got_n == want_n == float(batch["num_units"])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    for p, g in zip(model.parameters(), grads):
-        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    assert_grads(model, padded_grads)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -255,24 +270,20 @@ def test_packed_values_match_the_padded_value_model(tiny_model_dirs, family):
 
     critic = ValueModel.from_causal_lm_dir(tiny_model_dirs[family], head_init_std=0.5).float()
     for shared in (0, PROMPT):
-        sequences, mask = ragged_batch()
-        if shared:  # rows 0-2 and 3-5 share a prompt
-            groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])
-            sequences[:, :PROMPT], mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+        sequences, mask = grouped_batch() if shared else ragged_batch()
         real = mask.bool()
         weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * real
         critic.zero_grad()
         padded = critic(sequences, mask)
         (padded * weights).sum().backward()
-        want = [p.grad.clone() for p in critic.parameters()]
+        want = grads(critic)
         for budget in (1, int(mask.sum())):
             critic.zero_grad()
             packed = packed_values(critic, sequences, mask, budget, shared)
             (packed * weights).sum().backward()
             torch.testing.assert_close(packed[real], padded[real].detach(), atol=2e-5, rtol=1e-5)
             assert not bool(packed[~real].any())
-            for p, g in zip(critic.parameters(), want):
-                torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+            assert_grads(critic, want)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -289,17 +300,14 @@ def test_packed_scores_match_the_padded_reward_model(tiny_model_dirs, ctx):
     weights = torch.rand(len(sequences), generator=torch.Generator().manual_seed(5))
     padded = scorer.score(sequences, mask)
     (padded * weights).sum().backward()
-    want = [p.grad.clone() for p in scorer.parameters()]
+    want = grads(scorer)
     for budget in (1, int(mask.sum())):
         scorer.zero_grad()
         packed = packed_scores(scorer, sequences, mask, budget)
         (packed * weights).sum().backward()
         torch.testing.assert_close(packed, padded.detach(), atol=2e-5, rtol=1e-5)
-        for p, g in zip(scorer.parameters(), want):
-            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
-    groups = torch.tensor([0, 0, 0, 3, 3, 3, 6])  # rows of a prompt: its tokens run once, the same scores
-    grouped, grouped_mask = sequences.clone(), mask.clone()
-    grouped[:, :PROMPT], grouped_mask[:, :PROMPT] = sequences[groups, :PROMPT], mask[groups, :PROMPT]
+        assert_grads(scorer, want)
+    grouped, grouped_mask = grouped_batch()  # rows of a prompt: its tokens run once, the same scores
     with torch.no_grad():
         torch.testing.assert_close(packed_scores(scorer, grouped, grouped_mask, 64, PROMPT),
                                    scorer.score(grouped, grouped_mask), atol=2e-5, rtol=1e-5)

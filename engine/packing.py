@@ -169,7 +169,9 @@ def packed_micro_batches(sequences: torch.Tensor, attention_mask: torch.Tensor, 
 
     def cost(rows: list[int]) -> int:
         packed = sum(lengths[r] - prompt[r] for r in rows) + sum({key[r]: prompt[r] for r in rows}.values())
-        return forward_tokens(packed, padded_tokens(attention_mask[rows]), packs=True)
+        if packed <= MAX_PACK_TOKENS:  # one pack; the padded forward (every row whole) never runs fewer
+            return packed
+        return padded_tokens(attention_mask[rows])
 
     order = sorted(range(len(lengths)), key=lambda r: (-group_tokens[key[r]], key[r], -lengths[r], r))
     parts = budget_partition(order, cost, budget, at_least)
@@ -200,6 +202,7 @@ class _PackLayout:
 
     inputs: dict[str, torch.Tensor]
     where: dict[int, torch.Tensor]  # row -> pack index of each of its real tokens, in column order
+    starts: list[int]  # every row's first real column
 
 
 def _pack_layout(sequences: torch.Tensor, starts: list[int], lengths: list[int], units: list[PackUnit]) -> _PackLayout:
@@ -238,7 +241,7 @@ def _pack_layout(sequences: torch.Tensor, starts: list[int], lengths: list[int],
             mask[begin:end, begin:end] = (p[None, :] <= p[:, None]) & ((b[None, :] == 0) | (b[None, :] == b[:, None]))
         begin = end
     return _PackLayout({"input_ids": torch.cat([t for t, _, _ in segments])[None], "position_ids": pos[None],
-                        "attention_mask": mask[None, None]}, where)
+                        "attention_mask": mask[None, None]}, where, starts)
 
 
 def _packs(sequences: torch.Tensor, attention_mask: torch.Tensor, budget: int,
@@ -263,13 +266,12 @@ def packed_logprobs(model: nn.Module, sequences: torch.Tensor, attention_mask: t
     (the caller keeps the padded forward for them)."""
     batch, width = sequences.shape
     device = sequences.device
-    starts, _ = real_spans(attention_mask) or ([], [])
     out = torch.zeros(batch, width - 1, dtype=torch.float32, device=device)
     entropy = torch.zeros_like(out) if with_entropy else None
     for layout in _packs(sequences, attention_mask, budget, shared_prefix):
         keep, targets, rows, cols = [], [], [], []
         for row, at in layout.where.items():
-            start, n = starts[row], at.numel()
+            start, n = layout.starts[row], at.numel()
             # Column j (a real token at or after response_start, not the row's first) is scored by
             # the position of column j - 1.
             if columns is None:
@@ -303,12 +305,11 @@ def packed_values(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
     positions outside the rows' real tokens are 0 (the padded forward's mean nothing).
     Differentiable; a ValueError where a row's real tokens are not one run."""
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
-    starts, _ = real_spans(attention_mask) or ([], [])
     for layout in _packs(sequences, attention_mask, budget, shared_prefix):
         values = model(**layout.inputs)[0]
         at = torch.cat(list(layout.where.values()))
         rows = torch.cat([torch.full_like(index, row) for row, index in layout.where.items()])
-        cols = torch.cat([torch.arange(starts[row], starts[row] + index.numel(), device=index.device)
+        cols = torch.cat([torch.arange(layout.starts[row], layout.starts[row] + index.numel(), device=index.device)
                           for row, index in layout.where.items()])
         out = out.index_put((rows, cols), values[at].float())
     return out

@@ -246,6 +246,13 @@ def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
 # ------------------------------------------------------------------ the trainer
 
 
+def experience_response_start(shifted_action_mask: torch.Tensor) -> int:
+    """The first response column of an experience's rows: its action mask is shifted (position t
+    scores token t + 1), so its first response position is one less (0: no response column)."""
+    shifted = response_prefix(shifted_action_mask)
+    return shifted + 1 if shifted else 0
+
+
 class PPOTrainer:
     """Actor (and critic), reference, reward sources, KL controller and EMA, and the loop over them."""
 
@@ -585,9 +592,10 @@ class PPOTrainer:
         (first `shared_prefix` columns) once per group; so does the padded forward where
         `padded_shares_prompt` (the actor's; the critic's padded forward runs every row whole)."""
         config = self.config
+        if not (config.pack_sequences and config.max_tokens_per_micro_batch):
+            return False
         padded = padded_forward_tokens(sequences, attention_mask, shared_prefix if padded_shares_prompt else 0)
-        return bool(config.pack_sequences and config.max_tokens_per_micro_batch) and packs_fewer_tokens(
-            model, sequences, attention_mask, padded, shared_prefix)
+        return packs_fewer_tokens(model, sequences, attention_mask, padded, shared_prefix)
 
     def baselined_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's scores after the estimator's group baseline, computed over the whole global
@@ -662,8 +670,7 @@ class PPOTrainer:
         mask = exp.attention_mask[minibatch]
         if self.config.pack_sequences and all(packing_unsupported_reason(engine.model, self.ctx.device) is None
                                               for engine in (self.actor, self.critic) if engine is not None):
-            shifted = response_prefix(exp.action_mask[minibatch])  # as micro_step's response start
-            share = shifted + 1 if shifted and self.shares_prompts else 0
+            share = experience_response_start(exp.action_mask[minibatch]) if self.shares_prompts else 0
             cut = partial(packed_micro_batches, exp.sequences[minibatch], mask, budget, share)
         else:
             cut = partial(token_budget_micro_batches, mask, budget)
@@ -684,9 +691,7 @@ class PPOTrainer:
         metrics = self.critic_micro_step(exp, rows, weight.tokens) if self.critic is not None else {}
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
-        # exp.action_mask is shifted (position t scores token t + 1): its first response column is one less.
-        shifted = response_prefix(exp.action_mask)
-        start = shifted + 1 if shifted else 0
+        start = experience_response_start(exp.action_mask)
         logprobs, entropy = self.policy_forward(exp.sequences, exp.attention_mask, start, self.shares_prompts,
                                                 with_entropy=True)
         low, high = config.clip_bounds
@@ -725,8 +730,7 @@ class PPOTrainer:
         if kept is not None and kept.shape[1] == exp.sequences.shape[1] and kept.shape[0] == len(rows):
             values = kept.index_select(0, rows.to(kept.device))[:, :-1]
         else:
-            shifted = response_prefix(exp.action_mask)  # as micro_step's response start
-            share = shifted + 1 if shifted and self.shares_prompts else 0
+            share = experience_response_start(exp.action_mask) if self.shares_prompts else 0
             values = self.critic_forward(exp.sequences, exp.attention_mask, share)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)

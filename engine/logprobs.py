@@ -39,10 +39,12 @@ def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
 
 
 def _row_chunks(logits: torch.Tensor, rows: int) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """(chunk [n, V] view, r0, r1) covering the rows of [B, T, V] logits, r = b * T + t.
+    """(chunk [n, V], r0, r1) covering the rows of [B, T, V] logits, r = b * T + t.
 
-    Views only: a strided input such as logits[:, :-1] cannot be flattened to [B*T, V]
-    without a copy, so it is walked one batch row at a time instead.
+    Views where the rows flatten; a strided input such as logits[:, :-1] cannot be flattened to
+    [B*T, V] without a copy, so whole batch rows are copied a chunk at a time (at most `rows`
+    rows of logits; one small op per chunk rather than per batch row), or, when one batch row
+    is longer than a chunk, it is walked one batch row at a time.
     """
     batch, time, vocab = logits.shape
     try:
@@ -53,6 +55,12 @@ def _row_chunks(logits: torch.Tensor, rows: int) -> Iterator[tuple[torch.Tensor,
         for r0 in range(0, batch * time, rows):
             r1 = min(r0 + rows, batch * time)
             yield flat[r0:r1], r0, r1
+        return
+    per_chunk = rows // max(time, 1)
+    if per_chunk >= 1:
+        for b0 in range(0, batch, per_chunk):
+            b1 = min(b0 + per_chunk, batch)
+            yield logits[b0:b1].reshape(-1, vocab), b0 * time, b1 * time
         return
     for b in range(batch):
         for t0 in range(0, time, rows):

@@ -124,6 +124,27 @@ def test_logprobs_from_logits_shift_reads_views_in_place() -> None:
     assert sorted((r0, r1) for _, r0, r1 in chunks) == [(0, 4), (4, 5), (5, 9), (9, 10), (10, 14), (14, 15)]
 
 
+def test_strided_logits_copy_whole_batch_rows_per_chunk() -> None:
+    """A strided input whose batch rows fit a chunk is copied a few whole batch rows at a time
+    (one op per chunk, not per batch row), with the same values and gradients."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 7, 11, generator=gen)
+    ids = torch.randint(0, 11, (5, 7), generator=gen)
+    weights = torch.randn(5, 6, generator=gen)
+    chunks = list(_row_chunks(logits[:, :-1], 13))  # 6 positions per batch row: 2 batch rows per chunk
+    assert [(r0, r1) for _, r0, r1 in chunks] == [(0, 12), (12, 24), (24, 30)]
+    for chunk, r0, r1 in chunks:
+        torch.testing.assert_close(chunk, logits[:, :-1].reshape(-1, 11)[r0:r1])
+    got, grad = _value_and_grad(logprobs_from_logits, logits, ids, 13, weights=weights)
+    want, want_grad = _value_and_grad(lambda x, i: naive_logprobs(x[:, :-1], i[:, 1:]), logits, ids, weights=weights)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)
+    got, grad = _value_and_grad(lambda x: entropy_from_logits_chunked(x[:, :-1], 13), logits, weights=weights)
+    want, want_grad = _value_and_grad(lambda x: naive_entropy(x[:, :-1]), logits, weights=weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_entropy_matches_naive(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)

@@ -33,7 +33,7 @@ from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "rms_norm",
-    "rms_norm_reference", "rope",
+    "rms_norm_reference", "rope", "rope_attention", "rope_attention_runs",
     "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
 ]
 
@@ -156,25 +156,32 @@ class _FusedRoPE(torch.autograd.Function):
 
 
 class _FusedAttention(torch.autograd.Function):
+    """The attention kernels; with RoPE tables (cos, sin) the query and key are the projections'
+    token-major rows [B, T, heads, D] before RoPE, which the kernels apply (and transpose in the
+    backward) themselves."""
+
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                scale: float, op: ModuleType) -> torch.Tensor:
+                scale: float, op: ModuleType, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None) -> torch.Tensor:
         # The kernels read values through their strides: a value projection seen as [B, Hkv, S, D]
         # (a transposed view) needs no copy, and its gradient comes back in the same layout.
         query, key = query.contiguous(), key.contiguous()
         value = value if value.stride(-1) == 1 else value.contiguous()
         spans = None if mask is None else _mask_spans(mask, op)
-        out, stats = op.attention_forward(query, key, value, mask, scale, spans=spans)
-        ctx.save_for_backward(query, key, value, out, stats)
+        tables = {} if cos is None or sin is None else {"cos": cos.contiguous(), "sin": sin.contiguous()}
+        out, stats = op.attention_forward(query, key, value, mask, scale, spans=spans, **tables)
+        ctx.save_for_backward(query, key, value, out, stats, *tables.values())
         ctx.mask, ctx.spans, ctx.scale, ctx.op = mask, spans, scale, op
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, stats = ctx.saved_tensors
+        query, key, value, out, stats, *tables = ctx.saved_tensors
+        rope = dict(zip(("cos", "sin"), tables))
         grads = ctx.op.attention_backward(grad.contiguous(), query, key, value, ctx.mask, out, stats, ctx.scale,
-                                          spans=ctx.spans)
-        return *grads, None, None, None
+                                          spans=ctx.spans, **rope)
+        return *grads, None, None, None, None, None
 
 
 _last_spans: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
@@ -192,12 +199,17 @@ def _mask_spans(mask: torch.Tensor, op: ModuleType) -> torch.Tensor:
 
 
 def fused_attention_applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """The kernels take this call: causal self-attention (no mask, as many keys as queries) or a
-    boolean mask [B or 1, 1, T, S]; anything else is left to the model's attention function."""
+    """The kernels take this call (query [B, H, T, D], key [B, Hkv, S, D]): causal self-attention (no
+    mask, as many keys as queries) or a boolean mask [B or 1, 1, T, S]; anything else is left to the
+    model's attention function."""
+    return _attention_shapes_apply(query.shape[0], query.shape[2], key.shape[2], mask)
+
+
+def _attention_shapes_apply(batch: int, seq: int, keys: int, mask: torch.Tensor | None) -> bool:
     if mask is None:
-        return key.shape[2] == query.shape[2]
-    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, query.shape[0])
-            and tuple(mask.shape[2:]) == (query.shape[2], key.shape[2]))
+        return keys == seq
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, batch)
+            and tuple(mask.shape[2:]) == (seq, keys))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -208,6 +220,35 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if op is None:
         return attention_reference(query, key, value, mask, scale)
     return _FusedAttention.apply(query, key, value, None if mask is None else mask.contiguous(), scale, op)
+
+
+def rope_attention_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """`rope_attention` runs the kernels for this self-attention call: float32 on the CPU with the
+    op built, RoPE tables [B or 1, T, D] that need no gradient, and a mask the kernels take."""
+    batch, seq = query.shape[:2]
+    head_dim = value.shape[-1]
+    shapes = (query.dim() == 3 and key.dim() == 3 and value.dim() == 4 and tuple(value.shape[:3]) == (
+        batch, key.shape[-1] // head_dim, seq) and key.shape[:2] == query.shape[:2] and cos.dim() == 3
+        and cos.shape == sin.shape and cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (seq, head_dim))
+    return (shapes and not (cos.requires_grad or sin.requires_grad) and _attention_shapes_apply(batch, seq, seq, mask)
+            and _op(query, key, value, cos, sin) is not None)
+
+
+def rope_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """attention(rope(query), rope(key), value) of a self-attention layer, with RoPE applied inside
+    the attention kernels (forward and backward), where `rope_attention_runs`: no separate pass over
+    the queries and keys. query [B, T, H * D] and key [B, T, Hkv * D] are the projections' outputs,
+    value [B, Hkv, T, D] (a transposed view is read in place) -> [B, T, H, D]."""
+    head_dim = value.shape[-1]
+    heads, kv_heads = query.shape[-1] // head_dim, key.shape[-1] // head_dim
+    if not rope_attention_runs(query, key, value, cos, sin, mask):
+        return attention(rope(query, cos, sin, heads), rope(key, cos, sin, kv_heads), value, mask, scale)
+    batch, seq = query.shape[:2]
+    op = _op(query, key, value)
+    return _FusedAttention.apply(query.view(batch, seq, heads, head_dim), key.view(batch, seq, kv_heads, head_dim),
+                                 value, None if mask is None else mask.contiguous(), scale, op, cos, sin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -272,16 +313,21 @@ class FusedAttentionMixin(nn.Module):
         cos, sin = position_embeddings
         query = self.q_proj(hidden_states)
         key = self.k_proj(hidden_states)
-        query = rope(query, cos, sin, query.shape[-1] // self.head_dim)
-        key = rope(key, cos, sin, key.shape[-1] // self.head_dim)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
         dropout = 0.0 if not self.training else self.attention_dropout
         causal = kwargs.get("is_causal")  # as HF's SDPA decides it: the call's, else the module's
         causal = getattr(self, "is_causal", True) if causal is None else causal
-        if (self.config._attn_implementation == "sdpa" and dropout == 0.0 and not kwargs.get("output_attentions")
-                and (causal or attention_mask is not None) and fused_attention_applies(query, key, attention_mask)):
+        sdpa = (self.config._attn_implementation == "sdpa" and dropout == 0.0 and not kwargs.get("output_attentions")
+                and (causal or attention_mask is not None))
+        if sdpa and past_key_values is None and rope_attention_runs(query, key, value, cos, sin, attention_mask):
+            # RoPE inside the attention kernels: the projections' rows go in as they are.
+            output = rope_attention(query, key, value, cos, sin, attention_mask, self.scaling)
+            return self.o_proj(output.reshape(*input_shape, -1)), None
+        query = rope(query, cos, sin, query.shape[-1] // self.head_dim)
+        key = rope(key, cos, sin, key.shape[-1] // self.head_dim)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        if sdpa and fused_attention_applies(query, key, attention_mask):
             output, weights = attention(query, key, value, attention_mask, self.scaling), None
         else:
             family = sys.modules[type(self).__mro__[2].__module__]

@@ -23,6 +23,7 @@ from rlhf.engine.fused_layers import (
     rms_norm,
     rms_norm_reference,
     rope,
+    rope_attention,
     rope_reference,
     swiglu,
     swiglu_reference,
@@ -152,6 +153,60 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
     assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))
     for got, t in zip(op.attention_backward(grad, q, k, v, mask, out, lse, scale, isa), tracked):
         _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa_index", [0, 1, -1], ids=["scalar", "avx2", "widest"])
+@pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masking,tables", [
+    (4, 2, 21, 24, "causal", 2),          # GQA, a table per batch row
+    (6, 2, 70, 40, "holes", 1),           # one table for the batch
+    (4, 2, 150, 32, "shared_prompt", 1),  # a packed group's mask (per-token positions in the table)
+])
+def test_rope_inside_attention_equals_rope_then_attention(op, isa_index: int, heads: int, kv_heads: int, seq: int,
+                                                          head_dim: int, masking: str, tables: int) -> None:
+    """With RoPE tables the kernels rotate the projections' token-major rows themselves: outputs,
+    statistics and the gradients (before RoPE) are bit for bit those of rope_forward, attention and
+    rope_backward run one after the other; through autograd, `rope_attention` matches the reference."""
+    isas = op.supported_isas()
+    isa = isas[min(isa_index, len(isas) - 1)] if isa_index >= 0 else isas[-1]
+    gen = torch.Generator().manual_seed(seq + 1)
+    batch, scale = 2, head_dim**-0.5
+    query = torch.randn(batch, seq, heads * head_dim, generator=gen)
+    key = torch.randn(batch, seq, kv_heads * head_dim, generator=gen)
+    value = torch.randn(batch, seq, kv_heads, head_dim, generator=gen).transpose(1, 2)  # a projection's view
+    angles = torch.randn(tables, seq, head_dim // 2, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    grad = torch.randn(batch, seq, heads, head_dim, generator=gen)
+    mask, seen = None, torch.ones(batch, seq, dtype=torch.bool)
+    if masking == "shared_prompt":
+        mask = torch.stack([_shared_prompt_mask(seq, 20, 3)] * batch)[:, None].contiguous()
+    elif masking == "holes":
+        valid = torch.rand(batch, seq, generator=gen) > 0.3
+        valid[0, : seq // 3] = False
+        mask = (torch.ones(seq, seq, dtype=torch.bool).tril() & valid[:, None, :])[:, None].contiguous()
+        seen = mask[:, 0].any(-1)
+    grad = grad * seen[:, :, None, None]
+
+    q4, k4 = query.view(batch, seq, heads, head_dim), key.view(batch, seq, kv_heads, head_dim)
+    out, stats = op.attention_forward(q4, k4, value, mask, scale, isa, cos=cos, sin=sin)
+    q_rot, k_rot = op.rope_forward(query, cos, sin, heads, isa), op.rope_forward(key, cos, sin, kv_heads, isa)
+    want_out, want_stats = op.attention_forward(q_rot, k_rot, value, mask, scale, isa)
+    assert torch.equal(out, want_out) and torch.equal(stats, want_stats)
+    gq, gk, gv = op.attention_backward(grad, q4, k4, value, mask, out, stats, scale, isa, cos=cos, sin=sin)
+    want_gq, want_gk, want_gv = op.attention_backward(grad, q_rot, k_rot, value, mask, out, stats, scale, isa)
+    assert torch.equal(gq.view_as(query), op.rope_backward(want_gq, cos, sin, isa))
+    assert torch.equal(gk.view_as(key), op.rope_backward(want_gk, cos, sin, isa))
+    assert torch.equal(gv, want_gv)
+
+    tracked = [t.clone().requires_grad_() for t in (query, key, value)]
+    got = rope_attention(*tracked, cos, sin, mask, scale)
+    got.backward(grad)
+    reference = [t.clone().requires_grad_() for t in (query, key, value)]
+    want = attention_reference(rope_reference(reference[0], cos, sin, heads),
+                               rope_reference(reference[1], cos, sin, kv_heads), reference[2], mask, scale)
+    want.backward(grad)
+    _close(got.detach()[seen], want.detach()[seen], rtol=1e-5, atol=1e-5)
+    for t, r in zip(tracked, reference):
+        _close(t.grad, torch.nan_to_num(r.grad), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa_index", [0, -1], ids=["first-isa", "widest-isa"])

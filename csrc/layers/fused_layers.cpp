@@ -241,17 +241,24 @@ at::Tensor mask_row_spans(const at::Tensor& mask) {
 // (causal, keys == seq) or bool [batch or 1, 1, seq, keys], whose row spans are `spans` (the
 // caller's `mask_spans(mask)` of an earlier call, or computed here; kept alive by the caller while
 // the kernels run).
+//
+// With RoPE tables cos/sin [batch or 1, seq, head_dim] (defined), q [B, T, H, D] and k [B, S, Hkv, D] are
+// token-major and not yet rotated: the kernels rotate them (self-attention: S == T).
 AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                             double scale, at::Tensor& spans) {
+                             double scale, at::Tensor& spans, const at::Tensor& cos = at::Tensor(),
+                             const at::Tensor& sin = at::Tensor()) {
   check_float_cpu(q, "query");
   check_float_cpu(k, "key");
   TORCH_CHECK(v.defined() && v.device().is_cpu() && v.scalar_type() == at::kFloat && v.dim() == 4 && v.stride(3) == 1,
               "rlhf_fused_layers: value must be a 4-D float32 CPU tensor whose last dim is contiguous");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "rlhf_fused_layers: attention wants q [B, H, T, D] and k, v [B, Hkv, S, D] with H a multiple of Hkv; got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  const int64_t batch = q.size(0), seq = q.size(2), keys = k.size(2);
+  const bool rope = cos.defined();
+  const int64_t head_axis = rope ? 2 : 1, seq_axis = rope ? 1 : 2;
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(0) == k.size(0) && q.size(3) == k.size(3) &&
+                  k.size(head_axis) > 0 && q.size(head_axis) % k.size(head_axis) == 0 && v.size(0) == k.size(0) &&
+                  v.size(1) == k.size(head_axis) && v.size(2) == k.size(seq_axis) && v.size(3) == k.size(3),
+              "rlhf_fused_layers: attention wants q [B, H, T, D] and k, v [B, Hkv, S, D] (with RoPE inside: q [B, T, H, D], "
+              "k [B, S, Hkv, D]) with H a multiple of Hkv; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const int64_t batch = q.size(0), seq = q.size(seq_axis), keys = k.size(seq_axis);
   const uint8_t* mask_ptr = nullptr;
   int64_t mask_stride = 0;
   if (mask.defined()) {
@@ -276,17 +283,29 @@ AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at:
   }
   const auto* span_ptr = spans.defined() ? reinterpret_cast<const MaskRowSpan*>(spans.data_ptr<int32_t>()) : nullptr;
   AttentionArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask_ptr, mask_stride, span_ptr,
-                  batch, q.size(1), k.size(1), seq, keys, q.size(3), static_cast<float>(scale), {}, {}};
+                  batch, q.size(head_axis), k.size(head_axis), seq, keys, q.size(3), static_cast<float>(scale), {}, {}};
   for (int i = 0; i < 3; ++i) a.v_stride[i] = a.gv_stride[i] = v.stride(i);
+  if (rope) {
+    TORCH_CHECK(keys == seq, "rlhf_fused_layers: attention with RoPE inside is self-attention, got ", keys,
+                " keys for ", seq, " queries");
+    const RopeArgs r = rope_args(cos, sin, batch, seq, a.heads, a.head_dim);
+    a.cos = r.cos;
+    a.sin = r.sin;
+    a.table_batch_stride = r.table_batch_stride;
+  }
   return a;
 }
 
 // -> (out [batch, seq, heads, head_dim], stats [batch, heads, seq, 2]: each row's score max and 1 / sum).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::optional<at::Tensor>& mask, double scale,
-                                                     const std::string& isa, const std::optional<at::Tensor>& mask_spans) {
+                                                     const std::string& isa, const std::optional<at::Tensor>& mask_spans,
+                                                     const std::optional<at::Tensor>& cos,
+                                                     const std::optional<at::Tensor>& sin) {
   at::Tensor spans = mask_spans.value_or(at::Tensor());
-  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rlhf_fused_layers: RoPE needs both cos and sin");
+  const AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans, cos.value_or(at::Tensor()),
+                                         sin.value_or(at::Tensor()));
   const LayerKernels& kernels = resolve_isa(isa);
   at::Tensor out = at::empty({a.batch, a.seq, a.heads, a.head_dim}, q.options());
   at::Tensor stats = at::empty({a.batch, a.heads, a.seq, 2}, q.options());
@@ -299,9 +318,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& stats, double scale,
-    const std::string& isa, const std::optional<at::Tensor>& mask_spans) {
+    const std::string& isa, const std::optional<at::Tensor>& mask_spans, const std::optional<at::Tensor>& cos,
+    const std::optional<at::Tensor>& sin) {
   at::Tensor spans = mask_spans.value_or(at::Tensor());
-  AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans);
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rlhf_fused_layers: RoPE needs both cos and sin");
+  AttentionArgs a = attention_args(q, k, v, mask.value_or(at::Tensor()), scale, spans, cos.value_or(at::Tensor()),
+                                   sin.value_or(at::Tensor()));
   check_float_cpu(grad, "grad");
   check_float_cpu(out, "out");
   check_float_cpu(stats, "stats");
@@ -343,11 +365,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bool mask [B or 1, 1, T, S] -> its rows' spans (int32 [B or 1 * T, 6]), for the attention calls that share it",
         release);
   m.def("attention_forward", &L::attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("scale"), py::arg("isa") = "auto", py::arg("spans") = py::none(),
-        "q [B, H, T, D], k/v [B, Hkv, S, D] (v: any strides, last dim contiguous), mask None (causal) or bool [B or 1, 1, T, S] (spans: mask_spans(mask), else computed) -> (out [B, T, H, D], stats [B, H, T, 2])",
+        py::arg("scale"), py::arg("isa") = "auto", py::arg("spans") = py::none(), py::arg("cos") = py::none(),
+        py::arg("sin") = py::none(),
+        "q [B, H, T, D], k/v [B, Hkv, S, D] (v: any strides, last dim contiguous), mask None (causal) or bool [B or 1, 1, T, S] (spans: mask_spans(mask), else computed) -> (out [B, T, H, D], stats [B, H, T, 2]); with RoPE tables cos/sin [B or 1, T, D], q [B, T, H, D] and k [B, S, Hkv, D] are token-major and rotated by the kernels",
         release);
   m.def("attention_backward", &L::attention_backward, py::arg("grad"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("mask"), py::arg("out"), py::arg("stats"), py::arg("scale"), py::arg("isa") = "auto",
-        py::arg("spans") = py::none(), "-> (grad_q, grad_k, grad_v)", release);
+        py::arg("spans") = py::none(), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
+        "-> (grad_q, grad_k, grad_v), in q's, k's and v's layouts (with RoPE tables: gradients before RoPE)", release);
   m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

@@ -38,6 +38,12 @@ struct MaskRowSpan {
 // head_dim] seen transposed needs no copy), with either causal visibility (key j visible to query
 // i when j <= i) or a boolean mask [batch or 1, 1, seq, keys] (nonzero = visible). A query that
 // sees no key gets zeros.
+//
+// With RoPE tables (cos non-null) the kernels rotate the heads themselves: q and k are then the
+// projections' rows before RoPE, token-major (q [batch, seq, heads, head_dim], k [batch, keys,
+// kv_heads, head_dim], keys == seq), rotated as rope_forward rotates them (cos/sin [batch or 1, seq,
+// head_dim]), and their gradients come back in those layouts with RoPE's transpose applied: no
+// separate RoPE pass over the activations, forward or backward.
 struct AttentionArgs {
   const float* q;
   const float* k;
@@ -49,6 +55,9 @@ struct AttentionArgs {
   float scale;
   int64_t v_stride[3];        // v's strides (floats) over batch, kv head, key
   int64_t gv_stride[3];       // backward: the value gradient's, likewise
+  const float* cos = nullptr;  // RoPE inside the kernels (see above); null: q / k are rotated already
+  const float* sin = nullptr;
+  int64_t table_batch_stride = 0;  // 0 when one table serves the whole batch
 };
 
 struct LayerKernels {

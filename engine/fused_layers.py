@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from rlhf.engine.ops import OpSpec, load_op, register_op
 
@@ -126,18 +127,30 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 class _FusedSwiGLU(torch.autograd.Function):
+    """With `overwrite_saved` (the caller's gate and up are temporaries nothing reads after this
+    backward, as in FusedMLPMixin) the backward writes the gradients over the saved gate and up:
+    the stores land on lines it has just read instead of fresh buffers (~1/3 less memory traffic).
+    Their version is bumped, so a second backward through the graph (retain_graph) fails loudly."""
+
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, op: ModuleType) -> torch.Tensor:
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, op: ModuleType, overwrite_saved: bool) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up)
         ctx.op = op
+        ctx.overwrite_saved = overwrite_saved and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
         return op.swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gate, up = ctx.saved_tensors
-        grad_gate, grad_up = ctx.op.swiglu_backward(grad.contiguous(), gate, up)
-        return grad_gate, grad_up, None
+        grad = grad.contiguous()
+        in_place = ctx.overwrite_saved and grad.untyped_storage().data_ptr() not in (
+            gate.untyped_storage().data_ptr(), up.untyped_storage().data_ptr())
+        grad_gate, grad_up = ctx.op.swiglu_backward(grad, gate, up, in_place=in_place)
+        if in_place:
+            increment_version(gate)
+            increment_version(up)
+        return grad_gate, grad_up, None, None
 
 
 class _FusedRoPE(torch.autograd.Function):
@@ -257,10 +270,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps) if op is None else _FusedRMSNorm.apply(x, weight, eps, op)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """swiglu_reference, fused where it can be."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite_saved: bool = False) -> torch.Tensor:
+    """swiglu_reference, fused where it can be. `overwrite_saved`: gate and up are the caller's
+    temporaries, which the backward may overwrite with their gradients (see _FusedSwiGLU)."""
     op = _op(gate, up) if gate.shape == up.shape else None
-    return swiglu_reference(gate, up) if op is None else _FusedSwiGLU.apply(gate, up, op)
+    return swiglu_reference(gate, up) if op is None else _FusedSwiGLU.apply(gate, up, op, overwrite_saved)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
@@ -286,7 +300,7 @@ class FusedMLPMixin(nn.Module):
     down_proj: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), overwrite_saved=True))
 
 
 class FusedAttentionMixin(nn.Module):

@@ -155,6 +155,29 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
         _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
 
 
+def test_swiglu_backward_over_its_saved_inputs(op) -> None:
+    """swiglu(..., overwrite_saved=True) (the fused MLP's temporaries) writes the gradients over the
+    saved gate and up: the same gradients as fresh outputs, and a second backward through the graph
+    fails loudly instead of reading gradients as activations; by default the inputs stay as they were."""
+    gen = torch.Generator().manual_seed(11)
+    gate, up, grad = (torch.randn(37, 29, generator=gen) for _ in range(3))
+    want = op.swiglu_backward(grad, gate, up)
+    for overwrite in (False, True):
+        tracked = [t.clone().requires_grad_() for t in (gate, up)]
+        inner = [t * 1.0 for t in tracked]  # the temporaries swiglu saves
+        out = swiglu(*inner, overwrite_saved=overwrite)
+        out.backward(grad, retain_graph=True)
+        for t, w in zip(tracked, want):
+            assert torch.equal(t.grad, w)
+        if overwrite:
+            assert torch.equal(inner[0], want[0]) and torch.equal(inner[1], want[1])
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward(grad)
+        else:
+            assert torch.equal(inner[0], gate) and torch.equal(inner[1], up)
+            out.backward(grad)
+
+
 @pytest.mark.parametrize("isa_index", [0, 1, -1], ids=["scalar", "avx2", "widest"])
 @pytest.mark.parametrize("heads,kv_heads,seq,head_dim,masking,tables", [
     (4, 2, 21, 24, "causal", 2),          # GQA, a table per batch row

@@ -123,15 +123,19 @@ at::Tensor swiglu_forward(const at::Tensor& g, const at::Tensor& u, const std::s
   return y;
 }
 
+// in_place: the gradients overwrite g and u (saved activations that nothing reads after this backward;
+// the write lands on lines the kernel has just read, instead of fresh buffers faulted in and read for ownership).
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& gy, const at::Tensor& g, const at::Tensor& u,
-                                                   const std::string& isa) {
+                                                   const std::string& isa, bool in_place) {
   check_float_cpu(gy, "grad");
   check_float_cpu(g, "gate");
   check_float_cpu(u, "up");
   check_same(g, u, "swiglu gate/up");
   check_same(g, gy, "swiglu grad");
   const LayerKernels& k = resolve_isa(isa);
-  at::Tensor gg = at::empty_like(g), gu = at::empty_like(u);
+  TORCH_CHECK(!in_place || (!g.is_same(u) && !g.is_same(gy) && !u.is_same(gy)),
+              "rlhf_fused_layers: swiglu_backward in place needs separate grad, gate and up tensors");
+  at::Tensor gg = in_place ? g : at::empty_like(g), gu = in_place ? u : at::empty_like(u);
   const float *gyp = gy.data_ptr<float>(), *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
   float *ggp = gg.data_ptr<float>(), *gup = gu.data_ptr<float>();
   at::parallel_for(0, g.numel(), kGrainElements,
@@ -356,7 +360,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_forward", &L::swiglu_forward, py::arg("gate"), py::arg("up"), py::arg("isa") = "auto",
         "silu(gate) * up", release);
   m.def("swiglu_backward", &L::swiglu_backward, py::arg("grad"), py::arg("gate"), py::arg("up"),
-        py::arg("isa") = "auto", "-> (grad_gate, grad_up)", release);
+        py::arg("isa") = "auto", py::arg("in_place") = false,
+        "-> (grad_gate, grad_up); in_place: written over gate and up", release);
   m.def("rope_forward", &L::rope_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
         py::arg("isa") = "auto", "[batch, seq, heads * head_dim] -> rotated [batch, heads, seq, head_dim]", release);
   m.def("rope_backward", &L::rope_backward, py::arg("grad"), py::arg("cos"), py::arg("sin"), py::arg("isa") = "auto",

@@ -1,5 +1,6 @@
 """Chunked log-prob / entropy of token distributions: values and gradients equal the naive fp32
-log-softmax, strided views are read in place, and the peak memory stays O(chunk * V)."""
+log-softmax, strided views are read in place or a chunk of whole batch rows at a time, and the peak
+memory stays O(chunk * V)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,10 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from rlhf.engine.kernels import fused_selective_log_softmax_forward
 
+SMALL_BATCH_ROW = 2**16
+"""Logits in one batch row ([T, V]) up to which a strided input's rows are copied a chunk at a time
+rather than walked as views (a tiny model's [64, 98] row: the copy is microseconds; a 49k
+vocabulary's row is megabytes, which its view reads in place)."""
 DEFAULT_CHUNK_BYTES = 128 * 2**20
 """fp32 working set per chunk when no chunk size is given: rows = this // (4 * vocab)."""
 
@@ -42,9 +46,9 @@ def _row_chunks(logits: torch.Tensor, rows: int) -> Iterator[tuple[torch.Tensor,
     """(chunk [n, V], r0, r1) covering the rows of [B, T, V] logits, r = b * T + t.
 
     Views where the rows flatten; a strided input such as logits[:, :-1] cannot be flattened to
-    [B*T, V] without a copy, so whole batch rows are copied a chunk at a time (at most `rows`
-    rows of logits; one small op per chunk rather than per batch row), or, when one batch row
-    is longer than a chunk, it is walked one batch row at a time.
+    [B*T, V] without a copy, so it is walked one batch row at a time, except where a batch row is
+    small (at most SMALL_BATCH_ROW logits): there whole batch rows are copied a chunk at a time (at
+    most `rows` rows), as copying them costs less than a batch row's handful of small ops.
     """
     batch, time, vocab = logits.shape
     try:
@@ -57,7 +61,7 @@ def _row_chunks(logits: torch.Tensor, rows: int) -> Iterator[tuple[torch.Tensor,
             yield flat[r0:r1], r0, r1
         return
     per_chunk = rows // max(time, 1)
-    if per_chunk >= 1:
+    if per_chunk >= 1 and time * vocab <= SMALL_BATCH_ROW:
         for b0 in range(0, batch, per_chunk):
             b1 = min(b0 + per_chunk, batch)
             yield logits[b0:b1].reshape(-1, vocab), b0 * time, b1 * time
@@ -217,6 +221,7 @@ def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int | None = N
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "SMALL_BATCH_ROW",
     "entropy_from_logits_chunked",
     "logprobs_from_logits",
     "selective_log_softmax",

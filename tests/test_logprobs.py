@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlhf.engine.logprobs import (
+    SMALL_BATCH_ROW,
     _row_chunks,
     entropy_from_logits_chunked,
     logprobs_from_logits,
@@ -126,8 +127,13 @@ def test_logprobs_from_logits_shift_reads_views_in_place() -> None:
 
 
 def test_strided_logits_copy_whole_batch_rows_per_chunk() -> None:
-    """A strided input whose batch rows fit a chunk is copied a few whole batch rows at a time
-    (one op per chunk, not per batch row), with the same values and gradients."""
+    """A strided input whose small batch rows fit a chunk is copied a few whole batch rows at a time
+    (one op per chunk, not per batch row), with the same values and gradients; batch rows of more
+    than SMALL_BATCH_ROW logits (a large vocabulary) are still read in place."""
+    large = torch.zeros(2, 9, SMALL_BATCH_ROW // 8 + 1)[:, :-1]  # 8 positions: just over the limit
+    views = list(_row_chunks(large, 13))
+    assert [(r0, r1) for _, r0, r1 in views] == [(0, 8), (8, 16)]
+    assert all(c.untyped_storage().data_ptr() == large.untyped_storage().data_ptr() for c, _, _ in views)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 7, 11, generator=gen)
     ids = torch.randint(0, 11, (5, 7), generator=gen)

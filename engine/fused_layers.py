@@ -34,7 +34,7 @@ from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "rms_norm",
-    "rms_norm_reference", "rope", "rope_attention", "rope_attention_runs",
+    "rms_norm_reference", "rope", "rope_attention",
     "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
 ]
 
@@ -235,33 +235,41 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return _FusedAttention.apply(query, key, value, None if mask is None else mask.contiguous(), scale, op)
 
 
-def rope_attention_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """`rope_attention` runs the kernels for this self-attention call: float32 on the CPU with the
-    op built, RoPE tables [B or 1, T, D] that need no gradient, and a mask the kernels take."""
+def _rope_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, mask: torch.Tensor | None) -> ModuleType | None:
+    """The built op where the kernels take this self-attention call with RoPE inside (float32 on the
+    CPU, RoPE tables [B or 1, T, D] that need no gradient, a mask the kernels take), else None."""
     batch, seq = query.shape[:2]
     head_dim = value.shape[-1]
     shapes = (query.dim() == 3 and key.dim() == 3 and value.dim() == 4 and tuple(value.shape[:3]) == (
         batch, key.shape[-1] // head_dim, seq) and key.shape[:2] == query.shape[:2] and cos.dim() == 3
         and cos.shape == sin.shape and cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (seq, head_dim))
-    return (shapes and not (cos.requires_grad or sin.requires_grad) and _attention_shapes_apply(batch, seq, seq, mask)
-            and _op(query, key, value, cos, sin) is not None)
+    if not (shapes and not (cos.requires_grad or sin.requires_grad) and _attention_shapes_apply(batch, seq, seq, mask)):
+        return None
+    return _op(query, key, value, cos, sin)
+
+
+def _fused_rope_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, mask: torch.Tensor | None, scale: float, op: ModuleType) -> torch.Tensor:
+    head_dim = value.shape[-1]
+    batch, seq = query.shape[:2]
+    return _FusedAttention.apply(query.view(batch, seq, -1, head_dim), key.view(batch, seq, -1, head_dim), value,
+                                 None if mask is None else mask.contiguous(), scale, op, cos, sin)
 
 
 def rope_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """attention(rope(query), rope(key), value) of a self-attention layer, with RoPE applied inside
-    the attention kernels (forward and backward), where `rope_attention_runs`: no separate pass over
-    the queries and keys. query [B, T, H * D] and key [B, T, Hkv * D] are the projections' outputs,
-    value [B, Hkv, T, D] (a transposed view is read in place) -> [B, T, H, D]."""
-    head_dim = value.shape[-1]
-    heads, kv_heads = query.shape[-1] // head_dim, key.shape[-1] // head_dim
-    if not rope_attention_runs(query, key, value, cos, sin, mask):
+    the attention kernels (forward and backward) where they take the call (float32 on the CPU with
+    the op built, RoPE tables [B or 1, T, D] that need no gradient, a mask the kernels take): no
+    separate pass over the queries and keys. query [B, T, H * D] and key [B, T, Hkv * D] are the
+    projections' outputs, value [B, Hkv, T, D] (a transposed view is read in place) -> [B, T, H, D]."""
+    op = _rope_attention_op(query, key, value, cos, sin, mask)
+    if op is None:
+        head_dim = value.shape[-1]
+        heads, kv_heads = query.shape[-1] // head_dim, key.shape[-1] // head_dim
         return attention(rope(query, cos, sin, heads), rope(key, cos, sin, kv_heads), value, mask, scale)
-    batch, seq = query.shape[:2]
-    op = _op(query, key, value)
-    return _FusedAttention.apply(query.view(batch, seq, heads, head_dim), key.view(batch, seq, kv_heads, head_dim),
-                                 value, None if mask is None else mask.contiguous(), scale, op, cos, sin)
+    return _fused_rope_attention(query, key, value, cos, sin, mask, scale, op)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -333,9 +341,10 @@ class FusedAttentionMixin(nn.Module):
         causal = getattr(self, "is_causal", True) if causal is None else causal
         sdpa = (self.config._attn_implementation == "sdpa" and dropout == 0.0 and not kwargs.get("output_attentions")
                 and (causal or attention_mask is not None))
-        if sdpa and past_key_values is None and rope_attention_runs(query, key, value, cos, sin, attention_mask):
-            # RoPE inside the attention kernels: the projections' rows go in as they are.
-            output = rope_attention(query, key, value, cos, sin, attention_mask, self.scaling)
+        fusable = sdpa and past_key_values is None
+        op = _rope_attention_op(query, key, value, cos, sin, attention_mask) if fusable else None
+        if op is not None:  # RoPE inside the attention kernels: the projections' rows go in as they are
+            output = _fused_rope_attention(query, key, value, cos, sin, attention_mask, self.scaling, op)
             return self.o_proj(output.reshape(*input_shape, -1)), None
         query = rope(query, cos, sin, query.shape[-1] // self.head_dim)
         key = rope(key, cos, sin, key.shape[-1] // self.head_dim)

@@ -329,6 +329,10 @@ class FusedAttentionMixin(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The KV cache: the fourth argument, `cache` since transformers 5.2x (`past_key_values` before).
+        for name in ("cache", "past_key_values", "past_key_value"):
+            if past_key_values is None:
+                past_key_values = kwargs.pop(name, None)
         if position_embeddings is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]

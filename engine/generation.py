@@ -44,7 +44,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
-from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, kv_cache_bytes
+from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.sampling import SamplingParams, sample_next_token, sampler_path
 from rlhf.errors import UserError
@@ -102,7 +102,7 @@ def _cached_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
                     position_ids: torch.Tensor, cache: RolloutKVCache, **kwargs: int) -> torch.Tensor:
     """The model's own forward over `cache` (which it extends); -> [B, V] logits of the last position."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, **kwargs)
+                **cache_argument(model, cache), use_cache=True, **kwargs)
     return _last_logits(out.logits)
 
 

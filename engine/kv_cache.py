@@ -1,7 +1,8 @@
 """The rollout KV cache: preallocated once per rollout, written in place, read as a prefix.
 
 `RolloutKVCache` is a transformers `Cache`, so any Hugging Face decoder-only model takes it
-as `past_key_values` through its own forward (nothing is patched). Each full-attention layer
+through its own forward (`cache_argument`: `cache=` from transformers 5.2x on, `past_key_values=`
+before; nothing is patched). Each full-attention layer
 allocates [batch, kv_heads, prompt + max_new_tokens, head_dim] keys and values on its first
 write (so dtype, device and the per-rank head count under tensor parallelism come from the
 model itself) and never reallocates. Unlike `transformers.StaticCache`, a layer returns only
@@ -21,10 +22,14 @@ prompt is never run N times.
 
 from __future__ import annotations
 
+import inspect
 import os
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
@@ -93,6 +98,29 @@ def _select_prefix(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> 
     out = buffer.new_empty((indices.numel(), *buffer.shape[1:]))
     out.narrow(2, 0, length).copy_(buffer.narrow(2, 0, length).index_select(0, indices))
     return out
+
+
+@cache
+def _cache_parameter(forward_owner: type) -> str:
+    parameters = inspect.signature(forward_owner.forward).parameters
+    return "past_key_values" if "past_key_values" in parameters and "cache" not in parameters else "cache"
+
+
+def cache_argument(model: nn.Module, kv_cache: Cache | None) -> dict[str, Cache | None]:
+    """The keyword that passes `kv_cache` to `model`'s forward: `cache` (transformers renamed
+    `past_key_values` to it, keeping the old name as a deprecated alias) or, on a transformers
+    whose models still take `past_key_values`, that. Read off the first Hugging Face module's
+    forward (a PEFT or value-model wrapper's forward takes **kwargs)."""
+    for module in model.modules():
+        if type(module).__module__.startswith("transformers.models."):
+            return {_cache_parameter(type(module)): kv_cache}
+    return {"past_key_values": kv_cache}
+
+
+def returned_cache(output: Any) -> Cache:
+    """The KV cache a forward with use_cache=True returned (`cache`, or `past_key_values` before the rename)."""
+    kv_cache = getattr(output, "cache", None)
+    return output.past_key_values if kv_cache is None else kv_cache
 
 
 class RolloutKVCache(Cache):

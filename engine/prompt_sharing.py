@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rlhf.engine.generation import accepts_logits_to_keep
+from rlhf.engine.kv_cache import cache_argument, returned_cache
 from rlhf.engine.logprobs import entropy_from_logits_chunked, logprobs_from_logits
 from rlhf.engine.micro_batches import column_span
 from rlhf.engine.positions import position_ids_from_mask
@@ -90,11 +91,11 @@ def shared_prompt_logprobs(model: nn.Module, sequences: torch.Tensor, attention_
     prompt_ids, prompt_mask, inverse = groups
     head = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
                  use_cache=True, logits_to_keep=1)
-    cache = head.past_key_values
+    cache = returned_cache(head)
     _expand_cache(cache, inverse)
     positions = position_ids_from_mask(attention_mask)
     tail = model(input_ids=sequences[:, prefix:], attention_mask=attention_mask, position_ids=positions[:, prefix:],
-                 past_key_values=cache, use_cache=True).logits
+                 **cache_argument(model, cache), use_cache=True).logits
     # Logits of columns prefix-1 .. T-1: the prompt's last (predicts column `prefix`), then the tail's.
     logits = torch.cat([head.logits[:, -1:].index_select(0, inverse), tail], dim=1)
     width = sequences.shape[1]

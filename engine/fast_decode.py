@@ -45,6 +45,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from rlhf.engine import fused_layers
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
+from rlhf.engine.cpu_matmul import is_plain_linear
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
@@ -120,7 +121,7 @@ def fast_decode_unsupported_reason(model: nn.Module) -> str | None:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not nn.Linear for m in linears):
+    if not all(is_plain_linear(m) for m in linears):
         return "projections are not plain nn.Linear (adapters or quantized layers)"
     return None
 

@@ -22,6 +22,7 @@ from transformers import Cache
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
 from rlhf.engine.fused_layers import fuse_layer_ops
 from rlhf.engine.layers import decoder_layers
 
@@ -205,13 +206,15 @@ def apply_fsdp(
     weights: ShardLoader | None = None,
     fused_layers: bool = True,
     shard: bool = True,
+    cpu_matmul: str = "auto",
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
     `shard` False (`wraps_in_fsdp` finds nothing for FSDP2 to do) prepares the model the same
     way (fused or compiled layers, device, sharded loading) and leaves its parameters plain.
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
     FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
-    swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones. A model on the meta device is
+    swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones, and `cpu_matmul` resolving to
+    onednn (engine/cpu_matmul.py) swaps a CPU model's linears for oneDNN ones. A model on the meta device is
     sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
@@ -220,6 +223,8 @@ def apply_fsdp(
     if deferred and weights is None:
         raise ValueError("a model on the meta device needs `weights` (a ShardLoader) to fill its shards")
     fused = fuse_layer_ops(model) if fused_layers and not compile else 0
+    onednn = (use_onednn_linears(model) if ctx.device.type == "cpu" and not compile
+              and resolve_cpu_matmul(cpu_matmul) == "onednn" else 0)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     mesh = ctx.replicate_mesh if plan.mesh == "replicate" else ctx.mesh
@@ -244,9 +249,9 @@ def apply_fsdp(
         materialize_local_shards(model, torch.device("cpu") if offload else ctx.device, weights)
     log.info(
         "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s fused_modules=%d "
-        "world=%d sharded_loading=%s sharded=%s",
-        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, fused, ctx.world_size, deferred,
-        shard,
+        "onednn_linears=%d world=%d sharded_loading=%s sharded=%s",
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, fused, onednn, ctx.world_size,
+        deferred, shard,
     )
     return model
 

@@ -47,11 +47,11 @@ def micro_batch_slices(n: int, size: int) -> list[slice]:
 
 class FrozenModel:
     """A frozen model (sharded on several processes) that answers batched log-prob or score
-    queries; `compile` and `fused_layers` run its decoder layers as a trained model's (`apply_fsdp`)."""
+    queries; `compile`, `fused_layers` and `cpu_matmul` run its layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
                  micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None,
-                 fused_layers: bool = True) -> None:
+                 fused_layers: bool = True, cpu_matmul: str = "auto") -> None:
         """`model` is whole, or on the meta device with `weights` to fill this rank's shards (read
         straight into the compute dtype: the whole model is never held, not even in fp32)."""
         model.requires_grad_(False)
@@ -61,7 +61,8 @@ class FrozenModel:
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
         shard = wraps_in_fsdp(ctx.world_size, offload, dtype, trainable=False)
         self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
-                              weights=weights, fused_layers=fused_layers, shard=shard), ctx, micro_batch_size, name)
+                              weights=weights, fused_layers=fused_layers, shard=shard,
+                              cpu_matmul=cpu_matmul), ctx, micro_batch_size, name)
 
     def _bind(self, model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str) -> None:
         """The fields every query reads: an already sharded model and how to batch its forwards."""

@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import COMPUTE_DTYPES
+from rlhf.engine.cpu_matmul import use_onednn_linears, uses_onednn_linears
 from rlhf.engine.fused_layers import fuse_layer_ops, uses_fused_layers
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
@@ -112,8 +113,11 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
             buf.copy_(train_buffers[name].to(buf.dtype) if buf.is_floating_point() else train_buffers[name])
     if tp_size > 1:
         parallelize_module(model, ctx.tp_mesh(tp_size)["tp"], tensor_parallel_plan(model, tp_size))
-    elif uses_fused_layers(train_model):
-        fuse_layer_ops(model)  # as train mode runs them (--fused-layers): the fast decoder's prefill too
+    else:  # layers and linears as train mode runs them (--fused-layers, --cpu-matmul): HF generation's too
+        if uses_fused_layers(train_model):
+            fuse_layer_ops(model)  # the fast decoder's prefill too
+        if uses_onednn_linears(train_model):
+            use_onednn_linears(model)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -146,7 +146,8 @@ class TrainEngine:
         self.plan = sharding_plan(config.zero_stage, trainable=True)
         self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
                                 config.compile, weights, config.fused_layers,
-                                shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True))
+                                shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True),
+                                cpu_matmul=config.cpu_matmul)
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
         # name shared so that every rank raises alike.
         local_bad = first_non_finite(self.model.named_parameters())

@@ -104,6 +104,7 @@ RESUME_SAFE_FIELDS: dict[str, str] = {
     "dist_timeout": "how long a collective may wait before the run stops, not what is trained",
     "compile": "how the layers run (torch.compile), not what they compute",
     "fused_layers": "how the layers run (fused csrc kernels), not what they compute",
+    "cpu_matmul": "which library runs the linears' matmuls on the CPU, not what they compute",
     "export_adapter": "what the finished run writes (adapter or merged model), not what is trained",
 }
 

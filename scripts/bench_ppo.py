@@ -20,8 +20,9 @@ REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are 
 compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics: real
 tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch reaches
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
-forward + backward), over the measured iteration time; `phase_fractions` splits it by phase. 1.0
-would be a run that does nothing but its necessary matmuls at that rate.
+forward + backward; each GEMM's best of MKL and oneDNN), over the measured iteration time;
+`phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary
+matmuls at that rate.
 `compute_bound_fraction_with_kv_reads` adds the decode steps' KV-cache reads at the read bandwidth
 measured in the same run (`kv_cache_read_s`, `read_gb_per_s`): the floor a decode step has besides
 its matmuls (each step reads its rows' whole cache), so 1.0 - this is what is left above both bounds.
@@ -84,6 +85,7 @@ def parse_args() -> argparse.Namespace:
                         help="rlhf ppo --no-pack-sequences: padded forwards with a token budget")
     parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                         help="rlhf ppo --no-fused-layers: Hugging Face's own RMSNorm/RoPE/SwiGLU/attention modules")
+    parser.add_argument("--cpu-matmul", default="auto", help="rlhf ppo --cpu-matmul: auto, aten or onednn")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
                         "figures are each side's median run, every run's rate listed under `repeats`")
     args = parser.parse_args()
@@ -157,7 +159,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
         *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
-        "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
+        "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--cpu-matmul", args.cpu_matmul,
         *([] if args.pack_sequences else ["--no-pack-sequences"]),
         *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
@@ -186,24 +188,35 @@ def run_ours(args: argparse.Namespace) -> dict:
 def gemm_seconds(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5,
                  min_seconds: float = 0.25) -> tuple[float, int]:
     """(best seconds, FLOPs) of one layer's linears plus the LM head on m rows, as nn.Linear runs
-    them (x @ W^T); with backward also the input and weight gradients (dY @ W, dY^T @ X). Best of
-    at least `repeats` runs and of `min_seconds`: a decode step's few rows take well under a
-    millisecond, and a best of a handful of those would be one scheduling hiccup from a rate
+    them (x @ W^T); with backward also the input and weight gradients (dY @ W, dY^T @ X). Each
+    GEMM's time is the best of torch's matmul (MKL) and, where torch has it, oneDNN (which
+    --cpu-matmul onednn runs; engine/cpu_matmul.py): the rate a run could reach with either library.
+    Best of at least `repeats` runs and of `min_seconds`: a decode step's few rows take well under
+    a millisecond, and a best of a handful of those would be one scheduling hiccup from a rate
     too low (a fraction too high)."""
-    gemms = []
+    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available
+
+    onednn = onednn_available() and dtype == torch.float32
+    gemms: list[list] = []  # per GEMM: its implementations
     for d_in, d_out in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]:
         x, w, dy = torch.randn(m, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype), torch.randn(m, d_out, dtype=dtype)
-        gemms.append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+        gemms.append([lambda x=x, w=w: torch.nn.functional.linear(x, w)]
+                     + [lambda x=x, w=w: _onednn_linear(x, w, None)] * onednn)
         if backward:
-            gemms += [lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
+            gemms.append([lambda dy=dy, w=w: dy @ w] + [lambda dy=dy, w=w: _onednn_linear(dy, w.t(), None)] * onednn)
+            gemms.append([lambda dy=dy, x=x: dy.t() @ x]
+                         + [lambda dy=dy, x=x: _onednn_linear(dy.t(), x.t(), None)] * onednn)
     flops = sum(2 * m * a * b for a, b in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]) * (3 if backward else 1)
-    best, runs, began = float("inf"), 0, time.perf_counter()
+    best = [[float("inf")] * len(impls) for impls in gemms]
+    runs, began = 0, time.perf_counter()
     while runs <= repeats or time.perf_counter() - began < min_seconds:  # the first run warms up
-        start = time.perf_counter()
-        for gemm in gemms:
-            gemm()
-        best, runs = min(best, time.perf_counter() - start), runs + 1
-    return best, flops
+        for impls, times in zip(gemms, best):
+            for i, impl in enumerate(impls):
+                start = time.perf_counter()
+                impl()
+                times[i] = min(times[i], time.perf_counter() - start)
+        runs += 1
+    return sum(min(times) for times in best), flops
 
 
 def matmul_rates(model: Path, args: argparse.Namespace, prompts_per_iteration: int) -> dict[str, float]:

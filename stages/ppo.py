@@ -339,7 +339,8 @@ class PPOTrainer:
             ref, ref_weights = deferred_causal_lm(config.ref or config.actor, "--ref")
             self.ref = FrozenModel(ref, ctx, config.engine.zero_stage, self.actor.dtype, config.offload_ref,
                                    config.engine.micro_batch_size, "ref", compile=config.engine.compile,
-                                   weights=ref_weights, fused_layers=config.engine.fused_layers)
+                                   weights=ref_weights, fused_layers=config.engine.fused_layers,
+                                   cpu_matmul=config.engine.cpu_matmul)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         if config.pack_sequences and config.max_tokens_per_micro_batch:
             log_packing(self.packing_reasons())

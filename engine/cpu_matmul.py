@@ -1,0 +1,159 @@
+"""Float32 linears on the CPU through oneDNN where MKL is the slower library (AMD CPUs).
+
+    use_onednn_linears(model)    # before FSDP wrapping: swaps nn.Linear classes for OneDnnLinear
+    resolve_cpu_matmul("auto")   # "onednn" on an AMD CPU whose torch has oneDNN, else "aten"
+
+torch runs an nn.Linear's matmuls on the CPU through MKL's sgemm. On AMD CPUs MKL takes its
+AVX2 code path ("zen" kernels) even where the CPU has AVX-512, and oneDNN's JIT-built AVX-512
+kernels (the same library torch ships for its mkldnn ops) are faster at the shapes training runs:
+measured on a 2-core AMD EPYC (Zen 4), 4096 rows x hidden 256 / 688, median of 5 alternated runs:
+forward 1.02-1.16x, input gradient 1.15-1.29x, weight gradient 0.71-1.01x (slower: it stays on
+MKL), and at a decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a
+whole forward + backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
+`scripts/bench_matmul.py` measures both, per GEMM and per training step.
+
+`OneDnnLinear` computes what `F.linear` computes, up to the summation order inside a dot product
+(|difference| ~1e-6 relative; tests/test_cpu_matmul.py). The swap changes each module's class to a
+subclass that overrides `forward` (as `fuse_layer_ops` does), so parameters, state-dict names and
+LoRA wrapping are untouched; anything but float32 plain tensors on the CPU (a GPU, bf16, a
+DTensor weight in rollout mode's tensor-parallel plan) goes to `F.linear` as before.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "onednn_available", "resolve_cpu_matmul", "use_onednn_linears",
+    "uses_onednn_linears",
+]
+
+ONEDNN_MIN_ROWS = 64
+"""Rows (tokens) from which a linear's forward and input gradient take oneDNN: at a decode step's
+32 rows MKL is as fast or faster; from 64 rows on oneDNN is ahead on AMD CPUs."""
+ONEDNN_MIN_DEPTH = 256
+"""Shortest dot product (the GEMM's inner dimension: in_features for the forward, out_features for
+the input gradient) that oneDNN takes: the input gradient of a 98-token vocabulary's head ran at
+half MKL's rate, SmolLM2's k/v projections' (192 outputs) at 0.72x."""
+
+
+@cache
+def onednn_available() -> bool:
+    """torch was built with oneDNN (mkldnn) and has its dense-input linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("AuthenticAMD", "GenuineIntel", ...) from /proc/cpuinfo; "" elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def resolve_cpu_matmul(choice: str) -> str:
+    """"aten" (torch's default: MKL) or "onednn" for the engine's --cpu-matmul `choice`: auto takes
+    oneDNN on AMD CPUs (where MKL runs its AVX2 path) when torch has it; onednn without it is an error."""
+    if choice == "aten" or (choice == "auto" and (cpu_vendor() != "AuthenticAMD" or not onednn_available())):
+        return "aten"
+    if choice not in ("auto", "onednn"):
+        raise ValueError(f"cpu_matmul must be auto, aten or onednn, got {choice!r}")
+    if not onednn_available():
+        raise ValueError("cpu_matmul=onednn: this torch build has no oneDNN (mkldnn) linear op; use aten or auto")
+    return "onednn"
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias) by oneDNN; weight may be a transposed view."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """F.linear with the forward and the input gradient through oneDNN, the weight gradient
+    (faster on MKL) through torch's matmul."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return _onednn_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
+            grad_x = (_onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight).view(
+                *grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_rows.t() @ rows
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                             and type(t) in (torch.Tensor, nn.Parameter)) for t in tensors)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN for float32 plain tensors on the CPU with at least `ONEDNN_MIN_ROWS`
+    rows and `ONEDNN_MIN_DEPTH` input features (its input gradient: output features)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if (rows >= ONEDNN_MIN_ROWS and weight.dim() == 2 and weight.shape[1] >= ONEDNN_MIN_DEPTH
+            and _plain_cpu_float32(x, weight, bias)):
+        return _OneDnnLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class OneDnnLinearMixin(nn.Module):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's argument name
+        return linear(input, self.weight, self.bias)
+
+
+_ONEDNN_CLASSES: dict[type, type] = {}
+
+
+def _onednn_class(cls: type) -> type:
+    if cls not in _ONEDNN_CLASSES:
+        _ONEDNN_CLASSES[cls] = type(f"OneDnn{cls.__name__}", (OneDnnLinearMixin, cls), {"__module__": __name__})
+    return _ONEDNN_CLASSES[cls]
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Swap every plain nn.Linear in `model` for its OneDnnLinear subclass, in place; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = _onednn_class(nn.Linear)
+            swapped += 1
+    return swapped
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear as torch defines it, or swapped by `use_onednn_linears` (the same computation):
+    not a LoRA, quantized or other subclass."""
+    return type(module) is nn.Linear or type(module) is _ONEDNN_CLASSES.get(nn.Linear)
+
+
+def uses_onednn_linears(model: nn.Module) -> bool:
+    """Whether `use_onednn_linears` swapped any of `model`'s linears (the engine's --cpu-matmul)."""
+    return any(isinstance(module, OneDnnLinearMixin) for module in model.modules())

@@ -1,0 +1,122 @@
+"""Float32 linears on the CPU: torch's matmul (MKL) against oneDNN (engine/cpu_matmul.py), in the same
+run at a model's linear shapes, per GEMM of a training step, and a whole model's forward + backward.
+
+    python scripts/bench_matmul.py                     # the peer's tiny Llama: hidden 256, MLP 688, vocab 98,
+                                                       # 4096 rows (a 32 x 128 micro-batch) and 32 (a decode step)
+    python scripts/bench_matmul.py --model runs/smollm2/base --rows 1024 32
+
+Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `weight_grad`
+(dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up.
+Then a tiny model's (or --model's) forward + backward with every linear as `--cpu-matmul onednn`
+runs it (forward and input gradient on oneDNN from ONEDNN_MIN_ROWS rows, weight gradient on MKL)
+against plain nn.Linear. The last line is one JSON object; `resolved_auto` says what
+`--cpu-matmul auto` picks on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder instead of the tiny Llama")
+    parser.add_argument("--rows", type=int, nargs="+", default=[4096, 32])
+    parser.add_argument("--batch", type=int, default=32, help="whole-model step: sequences")
+    parser.add_argument("--seq", type=int, default=128, help="whole-model step: tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if min(*args.rows, args.batch, args.seq, args.repeats) < 1:
+        parser.error("--rows, --batch, --seq and --repeats must be >= 1")
+    return args
+
+
+def alternated_medians(steps: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each step, timed in turn (a slow spell of the machine hits all alike)."""
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, seen in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            seen.append(time.perf_counter() - start)
+    return [statistics.median(seen) for seen in times]
+
+
+def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict[str, float]]:
+    from rlhf.engine.cpu_matmul import _onednn_linear
+
+    x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
+    pairs = {
+        "forward": (lambda: F.linear(x, w), lambda: _onednn_linear(x, w, None)),
+        "input_grad": (lambda: dy @ w, lambda: _onednn_linear(dy, w.t(), None)),
+        "weight_grad": (lambda: dy.t() @ x, lambda: _onednn_linear(dy.t(), x.t(), None)),
+    }
+    flops = 2 * rows * d_in * d_out
+    out = {}
+    for gemm, (aten, onednn) in pairs.items():
+        aten_s, onednn_s = alternated_medians([aten, onednn], repeats)
+        out[gemm] = {"aten_gflop_per_s": round(flops / aten_s / 1e9, 1),
+                     "onednn_gflop_per_s": round(flops / onednn_s / 1e9, 1), "onednn_speedup": round(aten_s / onednn_s, 3)}
+    return out
+
+
+def build_model(model: str | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    if model:
+        return AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32, attn_implementation="sdpa")
+    config = tiny_config("llama", vocab_size=98, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
+                         intermediate_size=688)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model(input_ids=ids, use_cache=False).logits.log_softmax(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def main() -> None:
+    from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
+    from rlhf.engine.flops import TransformerShape
+    from rlhf.engine.fused_layers import fuse_layer_ops
+
+    args = parse_args()
+    aten_model = build_model(args.model)
+    fuse_layer_ops(aten_model)
+    shape = TransformerShape.from_config(aten_model.config)
+    linears = sorted({*shape.linear_shapes(), (shape.hidden, shape.vocab)})
+    gemms = {f"{rows}x{d_in}->{d_out}": gemm_rates(rows, d_in, d_out, args.repeats)
+             for rows in args.rows for d_in, d_out in linears}
+    onednn_model = copy.deepcopy(aten_model)
+    swapped = use_onednn_linears(onednn_model)
+    ids = torch.randint(0, shape.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = float((onednn_model(input_ids=ids).logits - aten_model(input_ids=ids).logits).abs().max())
+    aten_s, onednn_s = alternated_medians([train_step(aten_model, ids), train_step(onednn_model, ids)], args.repeats)
+    print(json.dumps({
+        "bench": "cpu_matmul", "gemms": gemms, "model": args.model or "tiny-llama", "linears_swapped": swapped,
+        "train_step_aten_s": round(aten_s, 4), "train_step_onednn_s": round(onednn_s, 4),
+        "train_step_onednn_speedup": round(aten_s / onednn_s, 3), "max_logit_diff": diff,
+        "batch": args.batch, "seq": args.seq, "threads": torch.get_num_threads(),
+        "resolved_auto": resolve_cpu_matmul("auto"),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""oneDNN linears (engine/cpu_matmul.py): what F.linear computes, up to rounding, forward and backward;
+the swap keeps parameters and names; auto picks oneDNN on AMD CPUs only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from rlhf.engine import cpu_matmul
+from rlhf.engine.cpu_matmul import (
+    ONEDNN_MIN_DEPTH, ONEDNN_MIN_ROWS, linear, onednn_available, resolve_cpu_matmul, use_onednn_linears,
+    uses_onednn_linears,
+)
+from rlhf.models.tiny import tiny_config
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+def _grads(fn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grad: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    out = fn(*leaves[:2], leaves[2] if b is not None else None)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(ONEDNN_MIN_ROWS,), (3, 67), (2, 5, 31)])
+def test_linear_matches_torch(bias: bool, shape: tuple[int, ...]) -> None:
+    """Output, input, weight and bias gradients equal F.linear's up to float32 rounding, for 2-D and
+    batched inputs, odd sizes, with and without bias; the forward really runs oneDNN."""
+    gen = torch.Generator().manual_seed(0)
+    d_in, d_out = ONEDNN_MIN_DEPTH + 7, ONEDNN_MIN_DEPTH + 3
+    x = torch.randn(*shape, d_in, generator=gen)
+    w = torch.randn(d_out, d_in, generator=gen) / d_in**0.5
+    b = torch.randn(d_out, generator=gen) if bias else None
+    grad = torch.randn(*shape, d_out, generator=gen)
+    want = _grads(F.linear, x, w, b, grad)
+    got = _grads(linear, x, w, b, grad)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    out = linear(x.requires_grad_(), w, b)
+    assert type(out.grad_fn).__name__ == "_OneDnnLinearBackward"
+
+
+@needs_onednn
+def test_linear_takes_torch_below_its_limits() -> None:
+    """Fewer rows than ONEDNN_MIN_ROWS, short dot products, bf16 or a non-contiguous input's
+    transposed view: the same op as F.linear where oneDNN is not the faster library, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [
+        (torch.randn(ONEDNN_MIN_ROWS - 1, 300, generator=gen), torch.randn(260, 300, generator=gen)),
+        (torch.randn(128, ONEDNN_MIN_DEPTH - 1, generator=gen), torch.randn(260, ONEDNN_MIN_DEPTH - 1, generator=gen)),
+        (torch.randn(128, 300, generator=gen).bfloat16(), torch.randn(260, 300, generator=gen).bfloat16()),
+    ]
+    for x, w in cases:
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    x = torch.randn(300, 128, generator=gen).t()  # rows of a transposed view: oneDNN gets a contiguous copy
+    w = torch.randn(260, 300, generator=gen) / 300**0.5
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_swapped_model_matches_and_keeps_its_parameters() -> None:
+    """Every nn.Linear of a Llama (tied embeddings, GQA) is swapped, names and parameters stay,
+    a second swap finds nothing; logits and gradients match the plain model's up to rounding."""
+    config = tiny_config("llama", vocab_size=300, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                         intermediate_size=320, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    swapped = copy.deepcopy(model)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert use_onednn_linears(swapped) == linears == 2 * 7 + 1
+    assert use_onednn_linears(swapped) == 0 and uses_onednn_linears(swapped) and not uses_onednn_linears(model)
+    assert list(swapped.state_dict()) == list(model.state_dict())
+    assert swapped.lm_head.weight is swapped.model.embed_tokens.weight  # still tied
+    assert all(isinstance(m, nn.Linear) for m in swapped.modules() if type(m).__name__.startswith("OneDnn"))
+    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(2))
+    for m in (model, swapped):
+        m(input_ids=ids).logits.log_softmax(-1)[..., :5].sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()), msg=name)
+
+
+def test_resolve_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: oneDNN on an AMD CPU whose torch has it, torch's matmul elsewhere; onednn without it is an error."""
+    assert resolve_cpu_matmul("aten") == "aten"
+    monkeypatch.setattr(cpu_matmul, "onednn_available", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")
+    assert resolve_cpu_matmul("auto") == "aten"
+    assert resolve_cpu_matmul("onednn") == "onednn"
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "AuthenticAMD")
+    assert resolve_cpu_matmul("auto") == "onednn"
+    monkeypatch.setattr(cpu_matmul, "onednn_available", lambda: False)
+    assert resolve_cpu_matmul("auto") == "aten"
+    with pytest.raises(ValueError, match="no oneDNN"):
+        resolve_cpu_matmul("onednn")
+    with pytest.raises(ValueError, match="auto, aten or onednn"):
+        resolve_cpu_matmul("mkl")
+
+
+@needs_onednn
+@pytest.mark.parametrize("choice", ["onednn", "aten"])
+def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model_dirs, choice: str) -> None:
+    """--cpu-matmul onednn swaps the trained model's linears and its rollout copy's (whose parity
+    check with train mode passes, and which the fast decoder still takes); aten leaves both alone."""
+    from rlhf.engine.config import EngineConfig
+    from rlhf.engine.fast_decode import fast_decode_unsupported_reason
+    from rlhf.engine.distributed import DistributedContext
+    from rlhf.engine.rollout import rollout_mode
+    from rlhf.engine.sampling import SamplingParams
+    from rlhf.engine.train_engine import TrainEngine
+    from rlhf.models.loading import load_causal_lm
+
+    ctx = DistributedContext.initialize()
+    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, cpu_matmul=choice)
+    engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
+    assert uses_onednn_linears(engine.model) == (choice == "onednn")
+    prompts = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_new_tokens=3, do_sample=False, eos_token_id=2, pad_token_id=0)
+    with rollout_mode(engine) as rollout:
+        assert uses_onednn_linears(rollout.model) == (choice == "onednn")
+        assert fast_decode_unsupported_reason(rollout.model) is None
+        out = rollout.generate(prompts, torch.ones_like(prompts), params)
+        assert rollout.parity_max_diff is not None and rollout.parity_max_diff < 1e-4
+    assert out.sequences.shape == (2, 43)

@@ -45,7 +45,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from rlhf.engine import fused_layers
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
-from rlhf.engine.cpu_matmul import is_plain_linear
+from rlhf.engine.cpu_matmul import is_plain_linear, uses_onednn_linears
+from rlhf.engine.cpu_matmul import linear as onednn_linear
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
@@ -248,6 +249,9 @@ class FastLlamaDecoder:
         self.cos, self.sin, self.sin_signed = cos[0], sin[0], signed_sin(sin[0])  # [max_len, head_dim]
         # A model whose layers run the fused layer ops (--fused-layers) prefills through them too.
         self.fused_prefill = fused_layers.uses_fused_layers(model) and dtype == torch.float32 and device.type == "cpu"
+        # A model whose linears run oneDNN (--cpu-matmul) runs its prefill's through it too (a decode
+        # step's few rows stay on torch's matmul: engine/cpu_matmul.py).
+        self.linear = onednn_linear if uses_onednn_linears(model) else F.linear
 
         # Left uninitialised: a step reads only the prefix that earlier steps have written.
         shape = (batch, self.num_kv_heads, max_len, self.head_dim)
@@ -344,7 +348,7 @@ class FastLlamaDecoder:
         A 2-D `mask` is the boolean key mask [B, cached + 1] of a decode step for the kernel.
         """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
+        qkv = self._linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
         qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)  # queries and keys together
         keys, values = self.keys[layer], self.values[layer]
@@ -372,7 +376,7 @@ class FastLlamaDecoder:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
             out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
-        return F.linear(out, w.wo, w.bo)
+        return self.linear(out, w.wo, w.bo)
 
     def _fused_attention(
         self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
@@ -381,7 +385,7 @@ class FastLlamaDecoder:
         """_attention of a prefill through the fused layer ops (engine/fused_layers.py): RoPE (cos,
         sin [B, T, D]) writes the heads' layout, the attention kernel takes the boolean mask."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear_t(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv).view(batch, steps, -1)
+        qkv = self._linear_t(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv).view(batch, steps, -1)
         cos, sin = rope
         q = fused_layers.rope(qkv.narrow(2, 0, heads * head_dim), cos, sin, heads)
         k = fused_layers.rope(qkv.narrow(2, heads * head_dim, kv_heads * head_dim), cos, sin, kv_heads)
@@ -391,7 +395,11 @@ class FastLlamaDecoder:
         self.values[layer].narrow(2, self.length, steps).copy_(v)
         out = fused_layers.attention(q, k, v, mask, self.scaling)  # [B, T, H, D]
         out = out[:, -1] if last_only else out
-        return F.linear(out.reshape(-1, heads * head_dim), w.wo, w.bo)
+        return self.linear(out.reshape(-1, heads * head_dim), w.wo, w.bo)
+
+    def _linear_t(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight_t (+ bias) as `_linear_t`, through oneDNN where this decoder's linears take it."""
+        return _linear_t(x, weight_t, bias) if self.linear is F.linear else self.linear(x, weight_t.t(), bias)
 
     def _mlp(self, w: _LayerWeights, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if fused and self.act is F.silu:
@@ -399,10 +407,11 @@ class FastLlamaDecoder:
             ffn = w.w_down.shape[1]
             bias = (None, None) if w.b_gate_up is None else (w.b_gate_up[:ffn], w.b_gate_up[ffn:])
             # Gate and up as two products into their own tensors: the fused SwiGLU reads them whole.
-            gate, up = _linear_t(h, w.w_gate_up_t[:, :ffn], bias[0]), _linear_t(h, w.w_gate_up_t[:, ffn:], bias[1])
-            return F.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
-        gate, up = _linear_t(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, w.w_down, w.b_down)
+            gate = self._linear_t(h, w.w_gate_up_t[:, :ffn], bias[0])
+            up = self._linear_t(h, w.w_gate_up_t[:, ffn:], bias[1])
+            return self.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
+        gate, up = self._linear_t(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
+        return self.linear(self.act(gate) * up, w.w_down, w.b_down)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] at positions [B, T] after the cached ones -> [B, V] logits of the last.
@@ -432,7 +441,7 @@ class FastLlamaDecoder:
             x = x + attn
             x = x + self._mlp(w, x, fused)
         self.length += steps
-        return F.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
+        return self.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """Boolean visibility -> the additive mask SDPA adds to the scores (0 or -inf)."""

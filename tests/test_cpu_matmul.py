@@ -131,3 +131,29 @@ def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model
         out = rollout.generate(prompts, torch.ones_like(prompts), params)
         assert rollout.parity_max_diff is not None and rollout.parity_max_diff < 1e-4
     assert out.sequences.shape == (2, 43)
+
+
+@needs_onednn
+def test_fast_decoder_prefills_through_onednn_where_the_model_does() -> None:
+    """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
+    (its decode steps' 4 rows stay on torch's matmul); logits equal the plain model's decoder's."""
+    from rlhf.engine.fast_decode import FastLlamaDecoder
+
+    config = tiny_config("llama", vocab_size=300, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                         intermediate_size=320)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    swapped = copy.deepcopy(model)
+    use_onednn_linears(swapped)
+    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    logits = []
+    for m in (model, swapped):
+        decoder = FastLlamaDecoder(m, 4, 50, cpu_kernel=False)
+        assert (decoder.linear is F.linear) == (m is model)
+        first = decoder.prefill(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+        step = decoder.decode(first.argmax(-1, keepdim=True), torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
+                              mask.sum(-1, keepdim=True))
+        logits.append(torch.stack([first, step]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)

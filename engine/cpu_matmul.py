@@ -106,6 +106,12 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _dense_matrix(weight: torch.Tensor) -> bool:
+    """2-D and row- or column-major without gaps: oneDNN's JIT kernels take these; a column slice of
+    a wider matrix (strides (1, wider)) sends it to its reference code, ~1000x slower."""
+    return weight.dim() == 2 and (weight.is_contiguous() or weight.t().is_contiguous())
+
+
 def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
                              and type(t) in (torch.Tensor, nn.Parameter)) for t in tensors)
@@ -113,10 +119,11 @@ def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for float32 plain tensors on the CPU with at least `ONEDNN_MIN_ROWS`
-    rows and `ONEDNN_MIN_DEPTH` input features (its input gradient: output features)."""
+    rows and `ONEDNN_MIN_DEPTH` input features (its input gradient: output features), the weight
+    stored row- or column-major."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (rows >= ONEDNN_MIN_ROWS and weight.dim() == 2 and weight.shape[1] >= ONEDNN_MIN_DEPTH
-            and _plain_cpu_float32(x, weight, bias)):
+    if (rows >= ONEDNN_MIN_ROWS and _dense_matrix(weight) and weight.shape[1] >= ONEDNN_MIN_DEPTH
+            and (bias is None or bias.is_contiguous()) and _plain_cpu_float32(x, weight, bias)):
         return _OneDnnLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -50,13 +50,15 @@ def test_linear_matches_torch(bias: bool, shape: tuple[int, ...]) -> None:
 
 @needs_onednn
 def test_linear_takes_torch_below_its_limits() -> None:
-    """Fewer rows than ONEDNN_MIN_ROWS, short dot products, bf16 or a non-contiguous input's
-    transposed view: the same op as F.linear where oneDNN is not the faster library, bit for bit."""
+    """Fewer rows than ONEDNN_MIN_ROWS, short dot products, bf16, a weight that is a column slice
+    (oneDNN's reference code: seconds), or a non-contiguous input's transposed view: the same op as
+    F.linear where oneDNN is not the faster library, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     cases = [
         (torch.randn(ONEDNN_MIN_ROWS - 1, 300, generator=gen), torch.randn(260, 300, generator=gen)),
         (torch.randn(128, ONEDNN_MIN_DEPTH - 1, generator=gen), torch.randn(260, ONEDNN_MIN_DEPTH - 1, generator=gen)),
         (torch.randn(128, 300, generator=gen).bfloat16(), torch.randn(260, 300, generator=gen).bfloat16()),
+        (torch.randn(128, 300, generator=gen), torch.randn(300, 520, generator=gen)[:, :260].t()),
     ]
     for x, w in cases:
         assert torch.equal(linear(x, w), F.linear(x, w))

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_layers import build_model, interleaved_medians  # scripts/ is the script's sys.path[0]
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,19 +38,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def alternated_medians(steps: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median seconds of each step, timed in turn (a slow spell of the machine hits all alike)."""
-    for step in steps:
-        step()
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for step, seen in zip(steps, times):
-            start = time.perf_counter()
-            step()
-            seen.append(time.perf_counter() - start)
-    return [statistics.median(seen) for seen in times]
-
-
 def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict[str, float]]:
     from rlhf.engine.cpu_matmul import _onednn_linear
 
@@ -64,24 +50,10 @@ def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict
     flops = 2 * rows * d_in * d_out
     out = {}
     for gemm, (aten, onednn) in pairs.items():
-        aten_s, onednn_s = alternated_medians([aten, onednn], repeats)
+        aten_s, onednn_s = interleaved_medians([aten, onednn], repeats)
         out[gemm] = {"aten_gflop_per_s": round(flops / aten_s / 1e9, 1),
                      "onednn_gflop_per_s": round(flops / onednn_s / 1e9, 1), "onednn_speedup": round(aten_s / onednn_s, 3)}
     return out
-
-
-def build_model(model: str | None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from rlhf.models.tiny import tiny_config
-
-    torch.manual_seed(0)
-    if model:
-        return AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32, attn_implementation="sdpa")
-    config = tiny_config("llama", vocab_size=98, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
-                         intermediate_size=688)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config).float()
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
@@ -97,7 +69,7 @@ def main() -> None:
     from rlhf.engine.fused_layers import fuse_layer_ops
 
     args = parse_args()
-    aten_model = build_model(args.model)
+    aten_model = build_model(argparse.Namespace(model=args.model, family="llama"))
     fuse_layer_ops(aten_model)
     shape = TransformerShape.from_config(aten_model.config)
     linears = sorted({*shape.linear_shapes(), (shape.hidden, shape.vocab)})
@@ -108,7 +80,7 @@ def main() -> None:
     ids = torch.randint(0, shape.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = float((onednn_model(input_ids=ids).logits - aten_model(input_ids=ids).logits).abs().max())
-    aten_s, onednn_s = alternated_medians([train_step(aten_model, ids), train_step(onednn_model, ids)], args.repeats)
+    aten_s, onednn_s = interleaved_medians([train_step(aten_model, ids), train_step(onednn_model, ids)], args.repeats)
     print(json.dumps({
         "bench": "cpu_matmul", "gemms": gemms, "model": args.model or "tiny-llama", "linears_swapped": swapped,
         "train_step_aten_s": round(aten_s, 4), "train_step_onednn_s": round(onednn_s, 4),

@@ -50,9 +50,13 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every decoder layer in backward (non-reentrant checkpointing)."""
     target = getattr(model, "backbone", model)
-    if not hasattr(target, "gradient_checkpointing_enable"):
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers 5.2x's name
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(target, "gradient_checkpointing_enable"):  # before (a deprecated alias since, gone in v6)
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
         raise UserError(f"{type(model).__name__} does not support gradient checkpointing; drop --gradient-checkpointing")
-    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = getattr(target, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False

@@ -44,7 +44,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
     torch.manual_seed(0)
     if args.model:
-        return AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     config = tiny_config(args.family, vocab_size=98, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
                          intermediate_size=688)
     config._attn_implementation = "sdpa"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf.engine.fsdp import enable_activation_checkpointing
 from rlhf.engine.fused_layers import (
     FUSED_LAYERS_OP,
     attention,
@@ -28,6 +29,7 @@ from rlhf.engine.fused_layers import (
     swiglu,
     swiglu_reference,
 )
+from rlhf.engine.kv_cache import cache_argument, returned_cache
 from rlhf.models.tiny import tiny_config
 
 VOCAB = 97
@@ -334,7 +336,7 @@ def test_fused_model_matches_hugging_face(op, family: str) -> None:
         for m in (model, fused):
             out = m(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
             step = m(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
-                     position_ids=position_ids[:, -1:] + 1, past_key_values=out.past_key_values, use_cache=True)
+                     position_ids=position_ids[:, -1:] + 1, **cache_argument(m, returned_cache(out)), use_cache=True)
             steps.append(step.logits)
     _close(steps[1], steps[0], rtol=1e-4, atol=1e-5)
 
@@ -367,7 +369,7 @@ def test_activation_checkpointing_recomputes_the_fused_layers_exactly(op) -> Non
     model = _model("llama")
     fuse_layer_ops(model)
     checkpointed = copy.deepcopy(model)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(checkpointed)
     checkpointed.train()
     model.train()
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))

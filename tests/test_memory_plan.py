@@ -22,6 +22,7 @@ import check_plan  # noqa: E402  (scripts/check_plan.py: the same cases, models 
 
 from rlhf.cli import main  # noqa: E402
 from rlhf.engine import memory  # noqa: E402
+from rlhf.engine.fsdp import enable_activation_checkpointing  # noqa: E402
 from rlhf.engine.memory import GIB, PhaseMemory  # noqa: E402
 from rlhf.engine.memory_plan import model_shape, saved_activation_bytes  # noqa: E402
 from rlhf.models.tiny import FAMILIES, tiny_config  # noqa: E402
@@ -134,7 +135,7 @@ def test_activation_model_matches_autograd(family: str, dtype: torch.dtype, chec
         adapt(model)
     model = model.to(dtype).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     ids = torch.randint(0, 50, (2, 12))
     measured = saved_bytes(model, ids)
     predicted = saved_activation_bytes(model_shape(config, adapt=adapt), ids.numel(), dtype.itemsize, checkpointing)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf.engine.fsdp import enable_activation_checkpointing
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.logprobs import entropy_from_logits_chunked
 from rlhf.engine.prompt_sharing import prompt_groups, response_logprobs, response_prefix, shared_prompt_logprobs
@@ -79,7 +80,7 @@ def test_rows_without_a_shared_prompt_take_the_plain_forward(tiny_model_dirs):
 def test_activation_checkpointing_takes_the_plain_forward(tiny_model_dirs):
     """transformers' checkpointed layers drop past_key_values in training: sharing must not run there."""
     model = load_causal_lm(str(tiny_model_dirs["llama"])).float()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model.train()
     sequences, mask = grouped_batch()
     shared, _ = shared_prompt_logprobs(model, sequences, mask, PROMPT)

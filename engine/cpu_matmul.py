@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.errors import UserError
+
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "onednn_available", "resolve_cpu_matmul", "use_onednn_linears",
     "uses_onednn_linears",
@@ -62,13 +64,14 @@ def cpu_vendor() -> str:
 
 def resolve_cpu_matmul(choice: str) -> str:
     """"aten" (torch's default: MKL) or "onednn" for the engine's --cpu-matmul `choice`: auto takes
-    oneDNN on AMD CPUs (where MKL runs its AVX2 path) when torch has it; onednn without it is an error."""
+    oneDNN on AMD CPUs (where MKL runs its AVX2 path) when torch has it; onednn without it is the
+    user's error (UserError)."""
     if choice == "aten" or (choice == "auto" and (cpu_vendor() != "AuthenticAMD" or not onednn_available())):
         return "aten"
     if choice not in ("auto", "onednn"):
         raise ValueError(f"cpu_matmul must be auto, aten or onednn, got {choice!r}")
     if not onednn_available():
-        raise ValueError("cpu_matmul=onednn: this torch build has no oneDNN (mkldnn) linear op; use aten or auto")
+        raise UserError("--cpu-matmul onednn: this torch build has no oneDNN (mkldnn) linear op; use aten or auto")
     return "onednn"
 
 

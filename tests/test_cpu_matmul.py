@@ -16,6 +16,7 @@ from rlhf.engine.cpu_matmul import (
     ONEDNN_MIN_DEPTH, ONEDNN_MIN_ROWS, linear, onednn_available, resolve_cpu_matmul, use_onednn_linears,
     uses_onednn_linears,
 )
+from rlhf.errors import UserError
 from rlhf.models.tiny import tiny_config
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -102,7 +103,7 @@ def test_resolve_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_cpu_matmul("auto") == "onednn"
     monkeypatch.setattr(cpu_matmul, "onednn_available", lambda: False)
     assert resolve_cpu_matmul("auto") == "aten"
-    with pytest.raises(ValueError, match="no oneDNN"):
+    with pytest.raises(UserError, match="no oneDNN"):
         resolve_cpu_matmul("onednn")
     with pytest.raises(ValueError, match="auto, aten or onednn"):
         resolve_cpu_matmul("mkl")

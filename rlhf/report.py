@@ -14,6 +14,15 @@ import torch
 _OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode", "rlhf.engine.fused_layers")
 
 
+def cpu_matmul_line() -> str:
+    """What --cpu-matmul auto runs float32 CPU linears with here, and why (engine/cpu_matmul.py)."""
+    from rlhf.engine.cpu_matmul import cpu_vendor, onednn_available, resolve_cpu_matmul
+
+    library = {"onednn": "oneDNN", "aten": "torch's matmul (MKL)"}[resolve_cpu_matmul("auto")]
+    return (f"--cpu-matmul auto: {library} (CPU vendor {cpu_vendor() or 'unknown'}, "
+            f"oneDNN {'available' if onednn_available() else 'not in this torch'})")
+
+
 def print_report() -> None:
     import transformers
 
@@ -25,6 +34,7 @@ def print_report() -> None:
     click.echo(f"cuda device   {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
     click.echo(f"nvcc          {shutil.which('nvcc') or 'not found'}")
     click.echo(f"c++ compiler  {shutil.which('c++') or 'not found'}")
+    click.echo(f"cpu matmul    {cpu_matmul_line()}")
     for name in _OP_MODULES:
         try:
             importlib.import_module(name)

@@ -43,6 +43,7 @@ def test_report_lists_the_ops(capsys):
     main(["report"])
     out = capsys.readouterr().out
     assert "torch" in out and "fused_adam_cpu" in out and "rlhf_decode_attention" in out
+    assert "cpu matmul    --cpu-matmul auto: " in out  # which library float32 CPU linears take here, and why
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "e2e"])

@@ -31,8 +31,8 @@ from torch import nn
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "onednn_available", "resolve_cpu_matmul", "use_onednn_linears",
-    "uses_onednn_linears",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "onednn_available", "resolve_cpu_matmul",
+    "use_onednn_linears", "uses_onednn_linears",
 ]
 
 ONEDNN_MIN_ROWS = 64

@@ -385,7 +385,8 @@ class FastLlamaDecoder:
         """_attention of a prefill through the fused layer ops (engine/fused_layers.py): RoPE (cos,
         sin [B, T, D]) writes the heads' layout, the attention kernel takes the boolean mask."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._linear_t(fused_layers.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv).view(batch, steps, -1)
+        h = fused_layers.rms_norm(x, w.input_norm, w.input_eps)
+        qkv = self._linear_t(h, w.wqkv_t, w.bqkv).view(batch, steps, -1)
         cos, sin = rope
         q = fused_layers.rope(qkv.narrow(2, 0, heads * head_dim), cos, sin, heads)
         k = fused_layers.rope(qkv.narrow(2, heads * head_dim, kv_heads * head_dim), cos, sin, kv_heads)
@@ -410,7 +411,8 @@ class FastLlamaDecoder:
             gate = self._linear_t(h, w.w_gate_up_t[:, :ffn], bias[0])
             up = self._linear_t(h, w.w_gate_up_t[:, ffn:], bias[1])
             return self.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
-        gate, up = self._linear_t(self.rms_norm(x, w.post_norm, w.post_eps), w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
+        h = self.rms_norm(x, w.post_norm, w.post_eps)
+        gate, up = self._linear_t(h, w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
         return self.linear(self.act(gate) * up, w.w_down, w.b_down)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import Cache
 
+from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
 from rlhf.engine.fused_layers import fuse_layer_ops
 from rlhf.engine.layers import decoder_layers
 
@@ -218,8 +218,8 @@ def apply_fsdp(
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
     FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
     swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones, and `cpu_matmul` resolving to
-    onednn (engine/cpu_matmul.py) swaps a CPU model's linears for oneDNN ones. A model on the meta device is
-    sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
+    onednn (engine/cpu_matmul.py) swaps a CPU model's linears for oneDNN ones. A model on the meta
+    device is sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
         raise ValueError("offload needs sharded optimizer state: a replicated (ZeRO-0) plan cannot offload")

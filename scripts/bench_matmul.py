@@ -52,7 +52,8 @@ def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict
     for gemm, (aten, onednn) in pairs.items():
         aten_s, onednn_s = interleaved_medians([aten, onednn], repeats)
         out[gemm] = {"aten_gflop_per_s": round(flops / aten_s / 1e9, 1),
-                     "onednn_gflop_per_s": round(flops / onednn_s / 1e9, 1), "onednn_speedup": round(aten_s / onednn_s, 3)}
+                     "onednn_gflop_per_s": round(flops / onednn_s / 1e9, 1),
+                     "onednn_speedup": round(aten_s / onednn_s, 3)}
     return out
 
 

@@ -3,11 +3,12 @@
 On the CPU a decode step of a small model is mostly per-op overhead: a layer is ~40 small
 PyTorch ops (norms, RoPE, cache writes, attention over one query, activation, residuals),
 each a dispatch plus a pass over tiny tensors. The `rlhf_cpu_decode` op runs the whole step
-in one call: per layer four matmuls through ATen/MKL (the output and down projections add
-into the residual stream in place) and three kernels of its own (AVX2 + FMA where the CPU
-has them, else portable C++) on torch's intra-op threads: RMSNorm, SiLU(gate) * up, and one
-pass per (sequence, KV head) that applies RoPE, writes the new key and value into the cache
-and attends over the visible keys.
+in one call: per layer four matmuls through ATen/MKL or, over weights packed once per rollout,
+its own panel GEMM (the output and down projections add into the residual stream in place)
+and three kernels of its own (AVX2 + FMA where the CPU has them, else portable C++) on
+torch's intra-op threads: RMSNorm, SiLU(gate) * up, and one pass per (sequence, KV head)
+that applies RoPE, writes the new key and value into the cache and attends over the visible
+keys.
 
 `FastLlamaDecoder` (engine/fast_decode.py) uses it for its decode steps where
 `cpu_decode_unsupported_reason` finds nothing against it; its own Python step is the

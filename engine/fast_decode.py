@@ -205,7 +205,11 @@ class FastLlamaDecoder:
     Decode steps run the fused CPU op (engine/cpu_decode.py) where it can run this model:
     `cpu_kernel` "auto" uses it when it is supported and builds, True insists (ValueError
     naming the reason otherwise), False keeps the Python step (the reference). `kernel_isa`
-    says which kernels the op uses ("avx2", "scalar"; None: the Python step).
+    says which kernels the op uses ("avx2", "scalar"; None: the Python step). `packed_gemm`:
+    the op's projections run over weights packed once per rollout (16-column panels) instead of
+    MKL, which repacks each weight on every step; "auto" where the model's linears left MKL for
+    oneDNN (--cpu-matmul: auto on AMD CPUs, where MKL runs AVX2 kernels and repacking is ~40% of
+    its decode time). `packed_gemm` (the attribute) says whether the step runs them.
 
     The Python decode step attends through `kernels.decode_attention` (the CUDA flash-decoding
     op over this decoder's [B, Hkv, S, D] cache and the padding mask) where `attention_kernel`
@@ -218,7 +222,7 @@ class FastLlamaDecoder:
     def __init__(
         self, model: nn.Module, batch: int, max_len: int,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
-        attention_kernel: bool | Literal["auto"] = "auto",
+        attention_kernel: bool | Literal["auto"] = "auto", packed_gemm: bool | Literal["auto"] = "auto",
     ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:
@@ -252,6 +256,10 @@ class FastLlamaDecoder:
         # A model whose linears run oneDNN (--cpu-matmul) runs its prefill's through it too (a decode
         # step's few rows stay on torch's matmul: engine/cpu_matmul.py).
         self.linear = onednn_linear if uses_onednn_linears(model) else F.linear
+        # The fused step's projections over weights packed once per rollout, not MKL (which repacks
+        # them every step): "auto" where the model's linears left MKL for oneDNN (engine/cpu_matmul.py).
+        self.wants_packed_gemm = packed_gemm is True or (packed_gemm == "auto" and uses_onednn_linears(model))
+        self._packed: list[torch.Tensor] | None = None  # packed on first use, shared by rebuilt steps
 
         # Left uninitialised: a step reads only the prefix that earlier steps have written.
         shape = (batch, self.num_kv_heads, max_len, self.head_dim)
@@ -261,6 +269,7 @@ class FastLlamaDecoder:
         self.max_len = max_len
         self._kernel_step = self._build_kernel_step(cpu_kernel, kernel_isa) if cpu_kernel is not False else None
         self.kernel_isa: str | None = None if self._kernel_step is None else self._kernel_step.isa
+        self.packed_gemm = self._kernel_step is not None and self._kernel_step.packed
         self._attention_kernel = attention_kernel
         self.uses_attention_kernel = self._wants_attention_kernel(batch)
 
@@ -315,12 +324,13 @@ class FastLlamaDecoder:
             return None
         return self.kernel_step_from(module, isa)
 
-    def use_kernel_step(self, module: ModuleType, isa: str) -> None:
+    def use_kernel_step(self, module: ModuleType, isa: str, packed_gemm: bool = False) -> None:
         """Decode steps from now on run `module`'s fused step (an `rlhf_cpu_decode` build) with
-        kernels `isa`: how the op's load-time self-test (engine/op_selftests.py) runs the build
-        it checks before the loader hands that build to anyone."""
+        kernels `isa` (and packed weights with `packed_gemm`): how the op's load-time self-test
+        (engine/op_selftests.py) runs the build it checks before the loader hands that build to anyone."""
+        self.wants_packed_gemm = packed_gemm
         self._kernel_step = self.kernel_step_from(module, isa)
-        self.kernel_isa = self._kernel_step.isa
+        self.kernel_isa, self.packed_gemm = self._kernel_step.isa, self._kernel_step.packed
 
     def kernel_step_from(self, module: ModuleType, isa: str) -> Any:
         """`module`'s fused decode step over this decoder's weights, RoPE tables and KV cache."""
@@ -336,7 +346,19 @@ class FastLlamaDecoder:
             none if self.lm_head_bias is None else self.lm_head_bias.contiguous(),
             self.cos.contiguous(), self.sin_signed.contiguous(), self.keys, self.values,
             self.num_heads, self.num_kv_heads, self.scaling, isa,
+            self._packed_weights(module) if self.wants_packed_gemm else [],
         )
+
+    def _packed_weights(self, module: ModuleType) -> list[torch.Tensor]:
+        """Every projection's [in, out] weight packed for the fused step (per layer q/k/v, o, gate,
+        up, down, then the LM head): packed once, shared by the steps `expand` rebuilds."""
+        if self._packed is None:
+            weights = []
+            for w in self.layers:
+                ffn = w.w_gate_up_t.shape[1] // 2
+                weights += [w.wqkv_t, w.wo.t(), w.w_gate_up_t[:, :ffn], w.w_gate_up_t[:, ffn:], w.w_down.t()]
+            self._packed = [module.pack_panels(t) for t in [*weights, self.lm_head.t()]]
+        return self._packed
 
     def _attention(
         self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],

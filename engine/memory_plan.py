@@ -436,8 +436,20 @@ def fused_weight_bytes(shape: ModelShape, compute_bytes: int) -> int:
     return compute_bytes * shape.layers * sum(math.prod(s) for s in shape.fused_projections)
 
 
+def packed_weight_bytes(shape: ModelShape, compute_bytes: int) -> int:
+    """The fused CPU decode step's packed copy of every layer's projections (q/k/v together, o,
+    gate, up, down: Llama-family) and the LM head, in panels of 16 output columns (the last one
+    zero-padded)."""
+    def padded(out: int, inputs: int) -> int:
+        return math.ceil(out / 16) * 16 * inputs
+
+    h, i = shape.hidden, shape.intermediate
+    layer = padded(shape.q_dim + 2 * shape.kv_dim, h) + padded(h, shape.q_dim) + 2 * padded(i, h) + padded(h, i)
+    return compute_bytes * (shape.layers * layer + padded(shape.vocab, h))
+
+
 __all__ = [
     "COMPUTE_BYTES", "FrozenModelMemory", "ModelShape", "TrainedModelMemory", "fused_weight_bytes",
-    "inference_copy_bytes", "layer_saved_bytes", "model_shape", "saved_activation_bytes", "sharded_numel",
-    "working_set_bytes",
+    "inference_copy_bytes", "layer_saved_bytes", "model_shape", "packed_weight_bytes", "saved_activation_bytes",
+    "sharded_numel", "working_set_bytes",
 ]

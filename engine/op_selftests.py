@@ -231,8 +231,9 @@ def _tiny_llama(gen: torch.Generator) -> torch.nn.Module:
 
 
 def cpu_decode(module: ModuleType, device: torch.device) -> str:
-    """Prefill then five decode steps of every kernel set against FastLlamaDecoder's Python
-    step (logits and KV cache, left-padded rows), and the fused sampler against
+    """Prefill then five decode steps of every kernel set, with MKL and with packed-weight
+    projections, against FastLlamaDecoder's Python step (logits and KV cache, left-padded rows),
+    and the fused sampler against
     `sample_from_logits` from the same uniforms."""
     worst = _Worst()
     gen = torch.Generator().manual_seed(4)
@@ -256,15 +257,16 @@ def cpu_decode(module: ModuleType, device: torch.device) -> str:
     want = run(reference)
     scale = max(float(w.abs().max()) for w in want)
     for isa in module.supported_isas():
-        fused = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False)
-        fused.use_kernel_step(module, isa)
-        for step, (g, w) in enumerate(zip(run(fused), want)):
-            worst.close(f"cpu decode step isa={isa} step {step} logits", g, w, rtol=0.0, atol=1e-5 * scale)
-        for layer in range(len(reference.keys)):
-            worst.close(f"cpu decode isa={isa} layer {layer} keys", fused.keys[layer], reference.keys[layer],
-                        rtol=1e-5, atol=1e-5)
-            worst.close(f"cpu decode isa={isa} layer {layer} values", fused.values[layer], reference.values[layer],
-                        rtol=1e-5, atol=1e-5)
+        for packed in (False, True):
+            fused = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False)
+            fused.use_kernel_step(module, isa, packed_gemm=packed)
+            name = f"cpu decode isa={isa}{' packed' if packed else ''}"
+            for step, (g, w) in enumerate(zip(run(fused), want)):
+                worst.close(f"{name} step {step} logits", g, w, rtol=0.0, atol=1e-5 * scale)
+            for layer in range(len(reference.keys)):
+                worst.close(f"{name} layer {layer} keys", fused.keys[layer], reference.keys[layer], rtol=1e-5, atol=1e-5)
+                worst.close(f"{name} layer {layer} values", fused.values[layer], reference.values[layer],
+                            rtol=1e-5, atol=1e-5)
         logits = 3 * torch.randn(64, 101, generator=gen)
         u = torch.rand(64, generator=gen)
         for temperature in (1.0, 0.7):

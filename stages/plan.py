@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from rlhf.config import LoRAConfig, RunConfig, StageConfig
+from rlhf.engine.cpu_matmul import resolve_cpu_matmul
 from rlhf.engine.fsdp import resolve_dtype
 from rlhf.engine.memory import GIB, current_rss
 from rlhf.engine.memory_plan import (
@@ -161,6 +162,9 @@ class Setting:
     """Llama-family layers run the fused layer ops: --fused-layers without --compile, float32 on a CPU."""
     offload: bool = False
     """--offload: the trained models stay in FSDP2 (CPUOffloadPolicy) even on one process."""
+    packed_decode: bool = False
+    """The fast decoder's fused CPU step packs a copy of the weights: --cpu-matmul resolving to
+    oneDNN (auto on AMD CPUs), float32 on a CPU (engine/fast_decode.py)."""
 
     @property
     def runtime(self) -> int:
@@ -182,8 +186,9 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
     if device == "cuda" and getattr(config, "offload_reward", False):
         host.add("reward params")
     fused_layers = config.engine.fused_layers and not config.engine.compile and device == "cpu" and dtype == "fp32"
+    packed_decode = device == "cpu" and dtype == "fp32" and resolve_cpu_matmul(config.engine.cpu_matmul) == "onednn"
     return Setting(dtype, COMPUTE_BYTES[dtype], world, device, config.engine.optimizer_impl != "torch",
-                   frozenset(host), fused_layers, config.engine.offload)
+                   frozenset(host), fused_layers, config.engine.offload, packed_decode)
 
 
 def trained(shape: ModelShape, zero: int, s: Setting) -> TrainedModelMemory:

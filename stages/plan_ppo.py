@@ -29,7 +29,7 @@ from rlhf.config import PPOConfig
 from rlhf.engine.kv_cache import kv_cache_bytes
 from rlhf.engine.memory_plan import (
     FP32, FrozenModelMemory, ModelShape, TrainedModelMemory, fused_weight_bytes, inference_copy_bytes,
-    saved_activation_bytes, working_set_bytes,
+    packed_weight_bytes, saved_activation_bytes, working_set_bytes,
 )
 from rlhf.engine.train_engine import resolve_batch_size
 from rlhf.stages.plan import (
@@ -138,8 +138,8 @@ def ppo_base(config: PPOConfig, models: PPOModels, s: Setting) -> Components:
 
 
 def generation_phase(models: PPOModels, shapes: PPOShapes, tp: int, s: Setting, base: Components) -> PhasePlan:
-    """Rollout mode: the actor's inference copy, the fast decoder's fused weights and KV cache
-    (its own buffers, or the HF path's), prefill and sampling; then the parity check's train-mode
+    """Rollout mode: the actor's inference copy, the fast decoder's fused (and packed) weights and KV
+    cache (its own buffers, or the HF path's), prefill and sampling; then the parity check's train-mode
     forward (ZeRO 0-2 leave the actor gathered after it)."""
     shape, c, actor = models.actor.shape, s.compute, models.actor
     dtype = torch.float32 if c == FP32 else torch.bfloat16
@@ -147,8 +147,9 @@ def generation_phase(models: PPOModels, shapes: PPOShapes, tp: int, s: Setting, 
     unique_layer = kv_cache_bytes(_text_config(shape), shapes.unique, shapes.width, dtype, tp) // max(shape.layers, 1)
     copy_ = inference_copy_bytes(shape, c, tp)
     fused = fused_weight_bytes(shape, c) if tp == 1 else 0
+    packed = packed_weight_bytes(shape, c) if fused and s.packed_decode else 0
     held = {**base, "rollout copy": copy_}
-    decode = {**held, "fused weights": fused, "kv cache": cache + unique_layer,
+    decode = {**held, "fused weights": fused, "packed weights": packed, "kv cache": cache + unique_layer,
               "prefill working set": working_set_bytes(shape, shapes.unique * shapes.prompt, c),
               "logits": FP32 * shape.vocab * shapes.gen_rows * 4 + c * shape.vocab * shapes.unique,
               "rollouts": shapes.gen_rows * shapes.width * 24}

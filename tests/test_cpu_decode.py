@@ -5,8 +5,8 @@ forward and HF generate in test_fast_decode.py); every kernel set this CPU runs 
 must give the same logits and write the same KV cache, step after step, for the shapes that
 reach the kernels' edge cases: GQA and MHA, Qwen2's q/k/v biases and Llama's optional
 attention and MLP biases, head and MLP widths that are not multiples of the vector width,
-left padding, one thread and several. The op's sampler must draw what sample_from_logits
-draws from the same uniforms.
+left padding, one thread and several, projections through MKL and through packed weights.
+The op's sampler must draw what sample_from_logits draws from the same uniforms.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine.cpu_decode import load_cpu_decode_op
+from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.engine import generation
 from rlhf.engine.generation import generate
@@ -83,8 +84,11 @@ def _run_steps(decoder: FastLlamaDecoder, ids, mask, positions, tokens: torch.Te
     return logits
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["mkl", "packed"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_every_kernel_set_matches_the_python_step(op, shape: str) -> None:
+def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) -> None:
+    """Batch 5: a block of four rows and a remainder row in the packed GEMM; vocab 97 and the
+    shapes' odd widths: partial panels."""
     model = _model(*SHAPES[shape])
     ids, mask, positions = _prompts(batch=5, width=7)
     steps = 9
@@ -97,11 +101,11 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str) -> None:
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa)
+                fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=packed)
                 got = _run_steps(fused, ids, mask, positions, tokens)
             finally:
                 torch.set_num_threads(previous)
-            assert fused.kernel_isa == isa
+            assert fused.kernel_isa == isa and fused.packed_gemm == packed
             scale = max(float(w.abs().max()) for w in want)
             for step, (g, w) in enumerate(zip(got, want)):
                 torch.testing.assert_close(g, w, atol=2e-6 * scale, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
@@ -109,6 +113,49 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str) -> None:
                 for cache in ("keys", "values"):
                     g, w = getattr(fused, cache)[layer], getattr(reference, cache)[layer]
                     torch.testing.assert_close(g[:, :, : 7 + steps], w[:, :, : 7 + steps], atol=1e-5, rtol=1e-5)
+
+
+def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op) -> None:
+    weight = torch.randn(37, 12)  # [out, in]: .t() is the column-major [in, out] view the step packs
+    packed = op.pack_panels(weight.t())
+    assert packed.shape == (3, 12, 16)
+    for p in range(3):
+        cols = weight.t()[:, 16 * p : 16 * (p + 1)]
+        assert torch.equal(packed[p, :, : cols.shape[1]], cols)
+        assert not packed[p, :, cols.shape[1] :].any()
+
+
+def test_packed_gemm_follows_the_models_linears_unless_asked(op) -> None:
+    """"auto" packs where the model's linears left MKL for oneDNN (--cpu-matmul), else keeps MKL."""
+    model = _model(*SHAPES["llama-gqa"])
+    assert not FastLlamaDecoder(model, 2, 8).packed_gemm
+    assert FastLlamaDecoder(model, 2, 8, packed_gemm=True).packed_gemm
+    if onednn_available():
+        use_onednn_linears(model)
+        assert FastLlamaDecoder(model, 2, 8).packed_gemm
+        assert not FastLlamaDecoder(model, 2, 8, packed_gemm=False).packed_gemm
+
+
+def test_expanded_packed_decoder_shares_its_packed_weights_and_matches(op) -> None:
+    """Group sampling rebuilds the step over the expanded cache: the packed weights are reused,
+    the logits stay the reference's."""
+    model = _model(*SHAPES["qwen2-gqa-qkv-bias"])
+    ids, mask, positions = _prompts(batch=2, width=5)
+    index = torch.tensor([0, 0, 0, 1, 1, 1])
+    full = torch.cat([mask.index_select(0, index), torch.ones(6, 3, dtype=mask.dtype)], dim=1)
+    logits = {}
+    with torch.no_grad():
+        for packed in (False, True):
+            decoder = FastLlamaDecoder(model, 2, 8, cpu_kernel=True, packed_gemm=packed)
+            decoder.prefill(ids, mask, positions)
+            before = decoder._packed
+            decoder.expand(index)
+            assert decoder.packed_gemm == packed and decoder._packed is before
+            pos = positions.index_select(0, index)[:, -1:]
+            tokens = torch.arange(6)[:, None] + 3
+            logits[packed] = [decoder.decode(tokens + step, full[:, : 6 + step], pos + step + 1) for step in range(3)]
+    for got, want in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, want, atol=2e-6 * float(want.abs().max()), rtol=0)
 
 
 def test_generate_uses_the_kernel_and_keeps_greedy_tokens(op, monkeypatch) -> None:

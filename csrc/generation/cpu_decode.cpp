@@ -10,11 +10,16 @@
 // (sequence, KV head). This replaces the ~40 small PyTorch ops a layer costs in Python, which
 // dominate a decode step of a small model. fast_decode.py's Python step is the reference.
 //
+// With weights packed once per rollout (pack_panels: 16-column panels, `in` after `in`), the
+// projections run panel_gemm instead of MKL: at a decode step's few rows MKL repacks every weight
+// on every call, and on AMD CPUs (AVX2 kernels) that repacking is ~40% of its time.
+//
 // Narrow includes instead of <torch/extension.h> keep the JIT build short.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/utils/pybind.h>
@@ -67,10 +72,34 @@ at::Tensor optional_bias(const at::Tensor& t, const char* name, int64_t size) {
   return t;
 }
 
+// One projection: w_t [in, out] (a row- or column-major view), its bias (undefined: none) and,
+// where the step runs packed weights, w_t packed in panels (pack_panels; undefined: MKL).
+struct Projection {
+  at::Tensor w_t, bias, panels;
+};
+
 struct Layer {
-  at::Tensor input_norm, wqkv_t, bqkv, wo_t, bo, post_norm, w_gate_up_t, b_gate_up, w_down_t, b_down;
+  at::Tensor input_norm, post_norm;
+  Projection qkv, o, gate, up, down;
   float input_eps = 0, post_eps = 0;
 };
+
+// w_t [in, out] (any strides) packed for panel_gemm: [ceil(out / 16), in, 16], zero past `out`.
+at::Tensor pack_panels(const at::Tensor& w_t) {
+  TORCH_CHECK(w_t.dim() == 2 && w_t.device().is_cpu() && w_t.scalar_type() == at::kFloat,
+              "rlhf_cpu_decode.pack_panels: the weight must be a [in, out] float32 CPU tensor");
+  const int64_t in = w_t.size(0), out = w_t.size(1), panels = (out + kPanelColumns - 1) / kPanelColumns;
+  at::Tensor packed = at::zeros({panels, in, kPanelColumns}, w_t.options());
+  const auto src = w_t.accessor<float, 2>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t k = 0; k < in; ++k)
+        for (int64_t c = 0; c < kPanelColumns && p * kPanelColumns + c < out; ++c)
+          dst[(p * in + k) * kPanelColumns + c] = src[k][p * kPanelColumns + c];
+  });
+  return packed;
+}
 
 // out = x @ w_t (+ bias): out and w_t are column slices of the full output and weight.
 void linear_into(at::Tensor out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
@@ -100,7 +129,7 @@ class LlamaDecodeStep {
                   const at::Tensor& lm_head, const at::Tensor& lm_head_bias, const at::Tensor& cos,
                   const at::Tensor& sin_signed, const std::vector<at::Tensor>& keys,
                   const std::vector<at::Tensor>& values, int64_t heads, int64_t kv_heads, double scale,
-                  const std::string& isa)
+                  const std::string& isa, const std::vector<at::Tensor>& packed)
       : kernels_(resolve_isa(isa, isa_)), heads_(heads), kv_heads_(kv_heads), scale_(static_cast<float>(scale)) {
     TORCH_CHECK(embed.dim() == 2, "rlhf_cpu_decode: embed must be [vocab, hidden]");
     vocab_ = embed.size(0);
@@ -146,15 +175,13 @@ class LlamaDecodeStep {
       check_weight(t[6], "w_gate_up_t", {hidden_, 2 * ffn_});
       check_weight(t[8], "w_down", {hidden_, ffn_});
       layer.input_norm = t[0];
-      layer.wqkv_t = t[1];
-      layer.bqkv = optional_bias(t[2], "bqkv", qkv_width);
-      layer.wo_t = t[3].t();
-      layer.bo = optional_bias(t[4], "bo", hidden_);
+      layer.qkv = {t[1], optional_bias(t[2], "bqkv", qkv_width)};
+      layer.o = {t[3].t(), optional_bias(t[4], "bo", hidden_)};
       layer.post_norm = t[5];
-      layer.w_gate_up_t = t[6];
-      layer.b_gate_up = optional_bias(t[7], "b_gate_up", 2 * ffn_);
-      layer.w_down_t = t[8].t();
-      layer.b_down = optional_bias(t[9], "b_down", hidden_);
+      const at::Tensor b_gate_up = optional_bias(t[7], "b_gate_up", 2 * ffn_);
+      layer.gate = {cols(t[6], 0, ffn_), cols(b_gate_up, 0, ffn_)};
+      layer.up = {cols(t[6], ffn_, 2 * ffn_), cols(b_gate_up, ffn_, 2 * ffn_)};
+      layer.down = {t[8].t(), optional_bias(t[9], "b_down", hidden_)};
       layer.input_eps = static_cast<float>(layer_eps[2 * l]);
       layer.post_eps = static_cast<float>(layer_eps[2 * l + 1]);
       layers_.push_back(std::move(layer));
@@ -164,14 +191,16 @@ class LlamaDecodeStep {
     norm_eps_ = static_cast<float>(norm_eps);
     TORCH_CHECK(lm_head.dim() == 2, "rlhf_cpu_decode: lm_head must be [vocab, hidden]");
     check_weight(lm_head, "lm_head", {lm_head.size(0), hidden_});
-    lm_head_t_ = lm_head.t();
-    lm_head_bias_ = optional_bias(lm_head_bias, "lm_head_bias", lm_head.size(0));
+    lm_head_ = {lm_head.t(), optional_bias(lm_head_bias, "lm_head_bias", lm_head.size(0))};
+    if (!packed.empty()) use_packed(packed);
 
     const auto f32 = embed.options();
     x_ = at::empty({batch_, hidden_}, f32);
     qkv_ = at::empty({batch_, qkv_width}, f32);
     attn_ = at::empty({batch_, attn_width}, f32);
     gate_up_ = at::empty({batch_, 2 * ffn_}, f32);
+    gate_ = cols(gate_up_, 0, ffn_);
+    up_ = cols(gate_up_, ffn_, 2 * ffn_);
     act_ = at::empty({batch_, ffn_}, f32);
   }
 
@@ -227,8 +256,7 @@ class LlamaDecodeStep {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       for_column_chunks(qkv_.size(1), [&](int64_t c0, int64_t c1) {
-        const at::Tensor h = normed(w.input_norm, w.input_eps);
-        linear_into(cols(qkv_, c0, c1), h, cols(w.wqkv_t, c0, c1), cols(w.bqkv, c0, c1));
+        project(normed(w.input_norm, w.input_eps), w.qkv, qkv_, c0, c1, false);
       });
       args.keys = keys_[l].data_ptr<float>();
       args.values = values_[l].data_ptr<float>();
@@ -236,32 +264,64 @@ class LlamaDecodeStep {
         float* scratch = thread_scratch(scratch_floats);
         kernels_.attention(args, begin, end, scratch);
       });
-      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) {
-        add_linear(cols(x_, c0, c1), attn_, cols(w.wo_t, c0, c1), cols(w.bo, c0, c1));
-      });
+      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) { project(attn_, w.o, x_, c0, c1, true); });
       for_column_chunks(ffn_, [&](int64_t c0, int64_t c1) {
         const at::Tensor h = normed(w.post_norm, w.post_eps);
-        linear_into(cols(gate_up_, c0, c1), h, cols(w.w_gate_up_t, c0, c1), cols(w.b_gate_up, c0, c1));
-        linear_into(cols(gate_up_, ffn_ + c0, ffn_ + c1), h, cols(w.w_gate_up_t, ffn_ + c0, ffn_ + c1),
-                    cols(w.b_gate_up, ffn_ + c0, ffn_ + c1));
+        project(h, w.gate, gate_, c0, c1, false);
+        project(h, w.up, up_, c0, c1, false);
         kernels_.silu_mul(gate_up + c0, gate_up + ffn_ + c0, 2 * ffn_, act + c0, ffn_, batch_, c1 - c0);
       });
-      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) {
-        add_linear(cols(x_, c0, c1), act_, cols(w.w_down_t, c0, c1), cols(w.b_down, c0, c1));
-      });
+      for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) { project(act_, w.down, x_, c0, c1, true); });
     }
-    const int64_t vocab_out = lm_head_t_.size(1);
+    const int64_t vocab_out = lm_head_.w_t.size(1);
     at::Tensor logits = at::empty({batch_, vocab_out}, x_.options());
     for_column_chunks(vocab_out, [&](int64_t c0, int64_t c1) {
-      const at::Tensor h = normed(norm_, norm_eps_);
-      linear_into(cols(logits, c0, c1), h, cols(lm_head_t_, c0, c1), cols(lm_head_bias_, c0, c1));
+      project(normed(norm_, norm_eps_), lm_head_, logits, c0, c1, false);
     });
     return logits;
   }
 
   const std::string& isa() const { return isa_; }
+  bool packed() const { return lm_head_.panels.defined(); }
 
  private:
+  // The projections run panel_gemm over `packed`: per layer q/k/v, o, gate, up, down, then the LM
+  // head, each pack_panels() of the projection's w_t.
+  void use_packed(const std::vector<at::Tensor>& packed) {
+    TORCH_CHECK(static_cast<int64_t>(packed.size()) == 5 * static_cast<int64_t>(layers_.size()) + 1,
+                "rlhf_cpu_decode: expected 5 packed weights per layer and the LM head's");
+    auto attach = [&](Projection& p, const at::Tensor& panels, const char* name) {
+      const int64_t in = p.w_t.size(0), out = p.w_t.size(1);
+      check_weight(panels, name, {(out + kPanelColumns - 1) / kPanelColumns, in, kPanelColumns});
+      p.panels = panels;
+    };
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const at::Tensor* t = packed.data() + 5 * l;
+      attach(layers_[l].qkv, t[0], "packed q/k/v");
+      attach(layers_[l].o, t[1], "packed o");
+      attach(layers_[l].gate, t[2], "packed gate");
+      attach(layers_[l].up, t[3], "packed up");
+      attach(layers_[l].down, t[4], "packed down");
+    }
+    attach(lm_head_, packed.back(), "packed lm_head");
+  }
+
+  // out[:, c0:c1] = x @ p.w_t[:, c0:c1] + bias (`accumulate`: +=), out's column 0 being the
+  // projection's: through panel_gemm where the weight is packed, else MKL on column slices.
+  void project(const at::Tensor& x, const Projection& p, const at::Tensor& out, int64_t c0, int64_t c1,
+               bool accumulate) const {
+    if (p.panels.defined()) {
+      const PanelGemmArgs args{x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), p.panels.data_ptr<float>(),
+                               p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                               out.stride(0), accumulate};
+      kernels_.panel_gemm(args, c0, c1);
+    } else if (accumulate) {
+      add_linear(cols(out, c0, c1), x, cols(p.w_t, c0, c1), cols(p.bias, c0, c1));
+    } else {
+      linear_into(cols(out, c0, c1), x, cols(p.w_t, c0, c1), cols(p.bias, c0, c1));
+    }
+  }
+
   // fn(c0, c1) over slices of [0, columns) on torch's intra-op threads, one slice per thread
   // (slices are multiples of 16 columns). A GEMM called inside a parallel region runs on one
   // thread, so each thread multiplies its own slice of the weight: for the small GEMMs of a
@@ -303,11 +363,12 @@ class LlamaDecodeStep {
   int64_t heads_, kv_heads_;
   float scale_;
   int64_t batch_ = 0, cache_len_ = 0, head_dim_ = 0, hidden_ = 0, vocab_ = 0, ffn_ = 0;
-  at::Tensor embed_, cos_, sin_signed_, norm_, lm_head_t_, lm_head_bias_;
+  at::Tensor embed_, cos_, sin_signed_, norm_;
+  Projection lm_head_;
   float norm_eps_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> keys_, values_;
-  at::Tensor x_, qkv_, attn_, gate_up_, act_;
+  at::Tensor x_, qkv_, attn_, gate_up_, gate_, up_, act_;
   at::Tensor thread_h_;                             // [threads, batch, hidden]
   std::vector<std::vector<float>> thread_scratch_;  // attention scratch per thread
 };
@@ -431,19 +492,24 @@ at::Tensor sample_record(const at::Tensor& logits, const at::Tensor& uniform, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using rlhf_decode::LlamaDecodeStep;
-  m.doc() = "Whole-model float32 decode step of Llama-family models on the CPU (AVX2 / scalar kernels + MKL)";
+  m.doc() = "Whole-model float32 decode step of Llama-family models on the CPU (AVX2 / scalar kernels + MKL "
+            "or packed-weight GEMMs)";
   py::class_<LlamaDecodeStep>(m, "LlamaDecodeStep")
       .def(py::init<const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<double>&, const at::Tensor&,
                     double, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t, double,
-                    const std::string&>(),
+                    const std::string&, const std::vector<at::Tensor>&>(),
            py::arg("embed"), py::arg("layer_tensors"), py::arg("layer_eps"), py::arg("norm"), py::arg("norm_eps"),
            py::arg("lm_head"), py::arg("lm_head_bias"), py::arg("cos"), py::arg("sin_signed"), py::arg("keys"),
-           py::arg("values"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"), py::arg("isa") = "auto")
+           py::arg("values"), py::arg("heads"), py::arg("kv_heads"), py::arg("scale"), py::arg("isa") = "auto",
+           py::arg("packed") = std::vector<at::Tensor>())
       .def("step", &LlamaDecodeStep::step, py::arg("tokens"), py::arg("positions"), py::arg("visible"),
            py::arg("length"), "One token per sequence -> [batch, vocab] logits; writes the KV cache at `length`.",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("isa", &LlamaDecodeStep::isa);
+      .def_property_readonly("isa", &LlamaDecodeStep::isa)
+      .def_property_readonly("packed", &LlamaDecodeStep::packed, "Whether the projections run packed weights.");
+  m.def("pack_panels", &rlhf_decode::pack_panels, py::arg("w_t"),
+        "An [in, out] weight packed for the step's packed projections: [ceil(out / 16), in, 16].");
   m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
         py::arg("isa") = "auto",
         "One draw per row from softmax(logits / temperature) by inverse CDF with the given uniforms "

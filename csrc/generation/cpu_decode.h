@@ -1,7 +1,8 @@
 // The CPU decode step's elementwise and attention kernels, one set per ISA (scalar, AVX2).
 //
-// These files hold no torch code: cpu_decode.cpp runs the matmuls through ATen (MKL) and hands
-// row or task ranges of float32 buffers to these kernels on torch's intra-op threads.
+// These files hold no torch code: cpu_decode.cpp runs the matmuls through ATen (MKL) or, over
+// weights packed in panels, through panel_gemm here, and hands row, column or task ranges of
+// float32 buffers to these kernels on torch's intra-op threads.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,23 @@ inline int64_t attention_scratch_floats(const AttentionArgs& a) {
   return groups * (a.head_dim + a.length + 1);
 }
 
+// Columns of one panel of a packed weight: [panels, in, kPanelColumns] holds columns
+// [p * kPanelColumns, (p + 1) * kPanelColumns) of an [in, out] weight, in after in, zero past `out`.
+constexpr int64_t kPanelColumns = 16;
+
+// One projection of a decode step over a packed weight: out[r, c] = sum_k x[r, k] w[k, c] + bias[c]
+// (`accumulate`: out[r, c] += that) for rows [0, rows) and columns [c0, c1), c0 a multiple of
+// kPanelColumns. x is [rows, in] (rows `ldx` apart), out's rows `ldo` apart, bias null for none.
+struct PanelGemmArgs {
+  const float* x;
+  int64_t ldx, rows, in;
+  const float* panels;
+  const float* bias;
+  float* out;
+  int64_t ldo;
+  bool accumulate;
+};
+
 struct Kernels {
   // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows [0, rows) of width dim.
   void (*rms_norm)(const float* x, const float* weight, float* out, int64_t rows, int64_t dim, float eps);
@@ -45,6 +63,9 @@ struct Kernels {
   // first token whose running mass exceeds u * total, else the last token of positive mass
   // (engine/sampling.py's sample_from_logits contract). `mass`: vocab floats of scratch.
   int64_t (*sample_row)(const float* logits, int64_t vocab, float temperature, float u, float* mass);
+  // Columns [c0, c1) of a projection over a packed weight (PanelGemmArgs); each output is one
+  // multiply-add chain over k in order, then the bias, then (accumulate) the add into out.
+  void (*panel_gemm)(const PanelGemmArgs& a, int64_t c0, int64_t c1);
 };
 
 const Kernels& scalar_kernels();

@@ -33,6 +33,7 @@ const Kernels& avx2_kernels() {
       &avx2::silu_mul_rows<avx2::Avx2>,
       &avx2::attention_tasks<avx2::Avx2>,
       &avx2::sample_row<avx2::Avx2>,
+      &avx2::panel_gemm<avx2::Avx2>,
   };
   return kernels;
 }

@@ -21,6 +21,7 @@ const Kernels& scalar_kernels() {
       &scalar::silu_mul_rows<scalar::Scalar>,
       &scalar::attention_tasks<scalar::Scalar>,
       &scalar::sample_row<scalar::Scalar>,
+      &scalar::panel_gemm<scalar::Scalar>,
   };
   return kernels;
 }

@@ -225,6 +225,9 @@ class Rollout:
     model: nn.Module
     engine: TrainEngine
     tolerance: float
+    checks_parity: bool = True
+    """Whether the first generation is parity-checked (the trainer checks its first rollout and
+    then periodically: the resharding is the same code every time)."""
     parity_sequences: int = 2
     parity_tokens: int = 16
     """Generated tokens of each checked sequence that the check scores (its train-mode forward
@@ -239,7 +242,7 @@ class Rollout:
         sampling: one prefill per unique prompt, sum(counts) output rows)."""
         out = generate(self.model, input_ids, attention_mask, params, generator, samples_per_prompt=samples_per_prompt)
         log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
-        if self.parity_max_diff is None:
+        if self.checks_parity and self.parity_max_diff is None:
             self.check_parity(out)
         return out
 
@@ -278,8 +281,10 @@ def default_parity_tolerance(dtype: str) -> float:
 
 
 @contextlib.contextmanager
-def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None = None) -> Iterator[Rollout]:
-    """Switch `engine`'s model to tensor-parallel inference for the duration of the block."""
+def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None = None,
+                 check_parity: bool = True) -> Iterator[Rollout]:
+    """Switch `engine`'s model to tensor-parallel inference for the duration of the block
+    (`check_parity`: its first generation is compared with train mode, `Rollout.check_parity`)."""
     ctx = engine.ctx
     ctx.tp_coordinates(tp_size)  # the world-size check, before anything is built
     dtype = COMPUTE_DTYPES[engine.dtype]
@@ -289,7 +294,8 @@ def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None 
     skeleton = rollout_skeleton(engine, tp_size, dtype)
     moved = load_rollout_weights(skeleton.model, engine.model, ctx, tp_size)
     log.info("rollout mode: tp=%d weights loaded (%.1f MiB local, %s)", tp_size, moved / 2**20, memory_snapshot(ctx.device))
-    rollout = Rollout(skeleton.model, engine, tolerance if tolerance is not None else default_parity_tolerance(engine.dtype))
+    tolerance = tolerance if tolerance is not None else default_parity_tolerance(engine.dtype)
+    rollout = Rollout(skeleton.model, engine, tolerance, check_parity)
     rollout.metrics["rollout_weights_mib"] = moved / 2**20
     try:
         yield rollout

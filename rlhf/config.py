@@ -246,6 +246,8 @@ class PPOConfig(RunConfig):
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
     rollout_parity_tolerance: float | None = bounded(None, ge=0)
     """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.15 bf16/fp16)."""
+    rollout_parity_every: int = bounded(10, ge=1)
+    """The rollout parity check (a train-mode forward of two rows) runs on a run's first rollout (a resume's too) and then every this many iterations; 1: every iteration. Between checks, old_logprob_diff_* compare generation's log-probs with the training forward on every token."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0)
     """Training micro-batches by a token budget instead of --micro-batch-size rows: rows of similar length together, each micro-batch at most this many tokens (rows x width without padding), every micro-batch's loss weighted by its share of the minibatch's tokens (rows for sequence-level losses), so the step equals one over the whole minibatch. 0: --micro-batch-size rows."""
     recompute_old_logprobs: bool = False

@@ -437,7 +437,8 @@ class PPOTrainer:
         gen = torch.Generator(device=self.ctx.device).manual_seed(
             derive_seed(self.seed, purpose[0], *purpose[1:], self.tp.group_index))
         repeats = torch.tensor(counts, dtype=torch.long, device=self.ctx.device)
-        with rollout_mode(self.actor, self.tp.size, self.config.rollout_parity_tolerance) as rollout:
+        check = round_index == 0 and (iteration == self.start_iteration or iteration % self.config.rollout_parity_every == 0)
+        with rollout_mode(self.actor, self.tp.size, self.config.rollout_parity_tolerance, check) as rollout:
             out = rollout.generate(ids.to(self.ctx.device), mask.to(self.ctx.device), self.sampling, gen,
                                    samples_per_prompt=repeats)
             rollout_metrics = dict(rollout.metrics)

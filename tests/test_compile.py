@@ -165,7 +165,8 @@ def test_two_rank_ppo_with_compile_and_a_tp2_rollout(tiny_model_dirs, tmp_path):
     result = run_cli(["ppo", "--actor", str(model), "--critic", str(model), "--reward-fn", f"{reward}:letter_a",
                       "--data", str(data), "--output", str(out), "--max-steps", "2", "--generation-batch-size", "2",
                       "--max-new-tokens", "4", "--micro-batch-size", "2", "--report-to", "none",
-                      "--optimizer-impl", "torch", "--inference-tp-size", "2", "--compile"], nproc=2)
+                      "--optimizer-impl", "torch", "--inference-tp-size", "2", "--compile", "--rollout-parity-every", "1"],
+                     nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "DONE").exists()
     assert result.stderr.count("compile=True") >= 2 and "recompile_limit" not in result.stderr

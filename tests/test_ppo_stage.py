@@ -64,6 +64,8 @@ def test_score_rises_while_kl_stays_bounded(tiny_model_dirs, prompts, letter_tas
     # 8 tokens from a ~uniform 101-way policy: KL to the reference can reach ~8 x ln(101) = 37 when the
     # policy collapses; the penalty keeps it well below that.
     assert max(r["kl"] for r in rows) < 20.0
+    # The rollout parity check: the first rollout, then every --rollout-parity-every (10) iterations.
+    assert [i for i, r in enumerate(rows) if "rollout_parity_max_diff" in r] == [0, 10, 20]
     for name in ("model", "critic", "summary.json", "metrics.jsonl", "config.yaml", "DONE", "samples.jsonl"):
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())

@@ -105,8 +105,8 @@ def test_every_stage_keeps_embeddings_tied(family: str, tied_models, data, tmp_p
           "--max-steps", "3", "--micro-batch-size", "8", "--lr", "1e-3", *FAST])
     assert (rm / "DONE").is_file()
     main(["ppo", "--actor", str(sft / "model"), "--reward", str(rm / "model"), "--data", str(data["prompts"]),
-          "--output", str(ppo), "--max-steps", "2", *PPO_ARGS, *FAST])
-    rows = read_metrics(ppo)
+          "--output", str(ppo), "--max-steps", "2", "--rollout-parity-every", "1", *PPO_ARGS, *FAST])
+    rows = read_metrics(ppo)  # the second rollout's parity: the updated shared embedding reached the copy tied
     assert len(rows) == 2 and all(r["rollout_parity_max_diff"] < 1e-4 for r in rows)
     ppo_embed = assert_tied_export(ppo / "model")
     assert not torch.equal(ppo_embed, sft_embed), "PPO did not train the shared embedding"

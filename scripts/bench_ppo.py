@@ -20,7 +20,8 @@ REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are 
 compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics: real
 tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch reaches
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
-forward + backward; each GEMM's best of MKL and oneDNN), over the measured iteration time;
+forward + backward; each GEMM's best of MKL and oneDNN; measured after each of our runs, each
+phase's fastest measurement used), over the measured iteration time;
 `phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary
 matmuls at that rate.
 `compute_bound_fraction_with_kv_reads` adds the decode steps' KV-cache reads at the read bandwidth
@@ -301,14 +302,17 @@ def median_run(runs: list[dict], key: str) -> dict:
 
 def main() -> None:
     args = parse_args()
-    ours_runs, peer_runs = [], []
+    prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
+    ours_runs, peer_runs, rates = [], [], []
     for _ in range(args.repeats):  # alternated, so a slow spell of the machine hits both sides alike
         ours_runs.append(run_ours(args))
+        # The matmul references after each of our runs, each phase's fastest the one used: a slow
+        # spell during one measurement must not lower a reference (and raise the fraction).
+        rates.append(matmul_rates(Path(ours_runs[-1]["model"]), args, prompts_per_iteration))
         if args.peer_trl:
             peer_runs.append(run_peer(args))
     ours = median_run(ours_runs, "completions_per_s")
-    prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
-    bound = compute_bound(ours, matmul_rates(Path(ours["model"]), args, prompts_per_iteration))
+    bound = compute_bound(ours, {phase: max(r[phase] for r in rates) for phase in rates[0]})
     result = {
         "estimator": args.advantage_estimator, **ours, **bound,
         **kv_cache_reads(Path(ours["model"]), args, ours, bound["compute_bound_fraction"]),

@@ -18,7 +18,8 @@ def cpu_matmul_line() -> str:
     """What --cpu-matmul auto runs float32 CPU linears with here, and why (engine/cpu_matmul.py)."""
     from rlhf.engine.cpu_matmul import cpu_vendor, onednn_available, resolve_cpu_matmul
 
-    library = {"onednn": "oneDNN", "aten": "torch's matmul (MKL)"}[resolve_cpu_matmul("auto")]
+    library = {"onednn": "oneDNN, decode steps over packed weights",
+               "aten": "torch's matmul (MKL)"}[resolve_cpu_matmul("auto")]
     return (f"--cpu-matmul auto: {library} (CPU vendor {cpu_vendor() or 'unknown'}, "
             f"oneDNN {'available' if onednn_available() else 'not in this torch'})")
 

@@ -22,12 +22,12 @@ DTensor weight in rollout mode's tensor-parallel plan) goes to `F.linear` as bef
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
@@ -53,13 +53,7 @@ def onednn_available() -> bool:
 @cache
 def cpu_vendor() -> str:
     """The CPU's vendor id ("AuthenticAMD", "GenuineIntel", ...) from /proc/cpuinfo; "" elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id")
 
 
 def resolve_cpu_matmul(choice: str) -> str:

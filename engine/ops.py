@@ -149,14 +149,19 @@ def self_test_enabled() -> bool:
     return os.environ.get("RLHF_OPS_SELFTEST", "1") != "0"
 
 
-def _cpu_model() -> str:
+def cpuinfo_field(name: str) -> str:
+    """The first `name` field of /proc/cpuinfo ("model name", "vendor_id", ...); "" where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return ""
+
+
+def _cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def op_device(spec: OpSpec) -> torch.device:

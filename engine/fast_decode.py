@@ -255,10 +255,11 @@ class FastLlamaDecoder:
         self.fused_prefill = fused_layers.uses_fused_layers(model) and dtype == torch.float32 and device.type == "cpu"
         # A model whose linears run oneDNN (--cpu-matmul) runs its prefill's through it too (a decode
         # step's few rows stay on torch's matmul: engine/cpu_matmul.py).
-        self.linear = onednn_linear if uses_onednn_linears(model) else F.linear
+        onednn = uses_onednn_linears(model)
+        self.linear = onednn_linear if onednn else F.linear
         # The fused step's projections over weights packed once per rollout, not MKL (which repacks
         # them every step): "auto" where the model's linears left MKL for oneDNN (engine/cpu_matmul.py).
-        self.wants_packed_gemm = packed_gemm is True or (packed_gemm == "auto" and uses_onednn_linears(model))
+        self.wants_packed_gemm = packed_gemm is True or (packed_gemm == "auto" and onednn)
         self._packed: list[torch.Tensor] | None = None  # packed on first use, shared by rebuilt steps
 
         # Left uninitialised: a step reads only the prefix that earlier steps have written.

@@ -140,7 +140,8 @@ class RolloutKVCache(Cache):
                     f"(model type {config.model_type!r}); supported: full, sliding and chunked attention"
                 )
         super().__init__(layers=layers)
-        self.max_cache_len = max_cache_len
+        if not isinstance(getattr(type(self), "max_cache_len", None), property):
+            self.max_cache_len = max_cache_len  # some transformers 5.x derive it from the layers instead
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows `indices` of every layer, in that order (group sampling expands each prompt's

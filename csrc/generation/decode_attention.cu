@@ -130,6 +130,7 @@ __global__ void __launch_bounds__(kThreads)
         tile_sum += e;
       }
       tile_sum = warp_sum(tile_sum);
+      __syncwarp();  // every lane has read m_s[j] before lane 0 rewrites it (shuffles order no memory)
       if (lane == 0) {
         const float alpha = m_new == kNegInf ? 1.f : exp2f(m_old - m_new);
         alpha_s[j] = alpha;

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One lent-GPU session's checks (../shared/GPU.md), phase by phase, each in one command:
+#
+#   bash scripts/gpu_session.sh correctness   # pytest -m gpu, compute-sanitizer memcheck + racecheck
+#   bash scripts/gpu_session.sh bench         # bench_adam / bench_generation on cuda, rlhf e2e in bf16
+#   bash scripts/gpu_session.sh suite         # the whole test suite with CUDA visible
+#
+# Several phases may be named in one call. Logs go to $OUT (the device tool brings them back)
+# or to ./gpu-logs. The project is installed editable without touching the machine's packages
+# (--no-deps: the image's torch/transformers are used as they are).
+set -u
+cd "$(dirname "$0")/.."
+LOGS="${OUT:-$PWD/gpu-logs}"
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline RLHF_OPS_CACHE="${RLHF_OPS_CACHE:-/tmp/rlhf-ops}"
+PY="${PYTHON:-python3}"
+
+setup() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
+    nvcc --version | tail -2
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+    "$PY" -c 'import rlhf, rlhf.engine; print("rlhf importable")' || exit 1
+}
+
+correctness() {
+    echo "== pytest -m gpu (builds the CUDA ops)"
+    timeout 280 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+    echo "== op report"
+    rlhf report 2>&1 | tail -30 | tee "$LOGS/report.log"
+    local kernels="tests/test_generation_kernels.py tests/test_fused_adam.py tests/test_logprobs.py"
+    echo "== compute-sanitizer memcheck"
+    timeout 170 compute-sanitizer --tool memcheck --print-limit 30 \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider $kernels 2>&1 | tee "$LOGS/memcheck.log" | tail -25
+    racecheck
+}
+
+racecheck() {
+    echo "== compute-sanitizer racecheck (decode attention)"
+    timeout 100 compute-sanitizer --tool racecheck --print-limit 30 \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_generation_kernels.py -k "decode_attention_edge" \
+        2>&1 | tee "$LOGS/racecheck.log" | tail -15
+}
+
+memcheck_rest() {
+    echo "== compute-sanitizer memcheck (fused Adam, log-probs)"
+    timeout 90 compute-sanitizer --tool memcheck --print-limit 30 \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_adam.py tests/test_logprobs.py 2>&1 \
+        | tee "$LOGS/memcheck_rest.log" | tail -8
+}
+
+gputests() {
+    echo "== pytest -m gpu (builds the CUDA ops)"
+    timeout 280 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs 2>&1 | tee "$LOGS/gpu_tests.log" | tail -15
+}
+
+bench() {
+    echo "== bench_adam"
+    timeout 150 "$PY" scripts/bench_adam.py --device cuda --params 2e8 --steps 20 --warmup 5 2>&1 \
+        | tee "$LOGS/bench_adam.log" | tail -12
+    echo "== bench_generation 1b, batch 1 and 64"
+    timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch 1 --new 128 --repeats 3 \
+        --peak-gbs 3350 2>&1 | tee "$LOGS/bench_gen_b1.log" | tail -6
+    timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch 64 --new 128 --repeats 3 \
+        --peak-gbs 3350 2>&1 | tee "$LOGS/bench_gen_b64.log" | tail -6
+    echo "== rlhf e2e (cuda, bf16)"
+    timeout 300 rlhf e2e --output /tmp/e2e-gpu 2>&1 | tee "$LOGS/e2e.log" | tail -30
+}
+
+suite() {
+    echo "== whole suite with CUDA visible"
+    timeout 560 "$PY" -m pytest -q -p no:cacheprovider --timeout 300 2>&1 | tee "$LOGS/suite.log" | tail -40
+}
+
+setup
+for phase in "$@"; do
+    "$phase"
+done

@@ -55,6 +55,12 @@ gputests() {
     timeout 280 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs 2>&1 | tee "$LOGS/gpu_tests.log" | tail -15
 }
 
+e2e() {
+    echo "== rlhf e2e (cuda, bf16)"
+    timeout 200 rlhf e2e --output /tmp/e2e-gpu --report-to none 2>&1 | tee "$LOGS/e2e.log" | tail -25
+    cp /tmp/e2e-gpu/summary.json "$LOGS/" 2>/dev/null
+}
+
 bench() {
     echo "== bench_adam"
     timeout 150 "$PY" scripts/bench_adam.py --device cuda --params 2e8 --steps 20 --warmup 5 2>&1 \
@@ -65,12 +71,12 @@ bench() {
     timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch 64 --new 128 --repeats 3 \
         --peak-gbs 3350 2>&1 | tee "$LOGS/bench_gen_b64.log" | tail -6
     echo "== rlhf e2e (cuda, bf16)"
-    timeout 300 rlhf e2e --output /tmp/e2e-gpu 2>&1 | tee "$LOGS/e2e.log" | tail -30
+    timeout 200 rlhf e2e --output /tmp/e2e-gpu --report-to none 2>&1 | tee "$LOGS/e2e.log" | tail -30
 }
 
 suite() {
     echo "== whole suite with CUDA visible"
-    timeout 560 "$PY" -m pytest -q -p no:cacheprovider --timeout 300 2>&1 | tee "$LOGS/suite.log" | tail -40
+    timeout "${SUITE_SECONDS:-560}" "$PY" -m pytest -q -p no:cacheprovider --timeout 120 --tb=line 2>&1 | tee "$LOGS/suite.log" | tail -40
 }
 
 setup

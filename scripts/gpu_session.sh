@@ -57,7 +57,9 @@ gputests() {
 
 e2e() {
     echo "== rlhf e2e (cuda, bf16)"
-    timeout 200 rlhf e2e --output /tmp/e2e-gpu --report-to none 2>&1 | tee "$LOGS/e2e.log" | tail -25
+    timeout "${E2E_SECONDS:-200}" rlhf e2e --output /tmp/e2e-gpu --report-to none 2>&1 | tee "$LOGS/e2e.log" \
+        | grep -v "it/s" | tail -25
+    tail -3 /tmp/e2e-gpu/ppo/metrics.jsonl > "$LOGS/ppo_metrics_tail.jsonl" 2>/dev/null
     cp /tmp/e2e-gpu/summary.json "$LOGS/" 2>/dev/null
 }
 

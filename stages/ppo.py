@@ -820,7 +820,7 @@ class PPOTrainer:
         reward model's count of this iteration's sequences cut to fit its max_len (the count
         restarts every iteration)."""
         names = sorted(rollouts.components or {})
-        local = [rollouts.components[k].double().sum() for k in names]
+        local = [rollouts.components[k].double().sum().cpu() for k in names]  # scores may live on the GPU
         truncated = self.reward.take_truncated()
         sums = self.ctx.all_reduce_sum(torch.stack([*local, torch.tensor(float(truncated), dtype=torch.float64)]))
         metrics = {f"reward/{k}": float(v) / self.experience_size for k, v in zip(names, sums.tolist())}

@@ -389,7 +389,7 @@ class FastLlamaDecoder:
             # head's query rows (transformers' pack_gqa), so each cached key is read once.
             q = qk[:, -1].narrow(1, 0, heads).reshape(batch, kv_heads, groups, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.narrow(2, -1, 1), scale=self.scaling)
-            out = out.view(batch, heads * head_dim)
+            out = out.reshape(batch, heads * head_dim)  # CUDA's kernels may return it strided
         else:
             q = qk.narrow(2, 0, heads).transpose(1, 2)
             # CPU SDPA shares KV heads itself (faster than repeating them); CUDA's kernels fall

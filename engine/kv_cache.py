@@ -128,7 +128,7 @@ class RolloutKVCache(Cache):
 
     def __init__(self, config: PretrainedConfig, max_cache_len: int) -> None:
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        if isinstance(layer_kwargs, dict):  # transformers up to ~5.20: one dict shared by every layer
+        if isinstance(layer_kwargs, dict):  # transformers 5.17: one dict shared by every layer
             layer_kwargs = [layer_kwargs] * len(layer_types)
         layers: list[CacheLayerMixin] = []
         for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True):

@@ -360,6 +360,29 @@ def test_kv_cache_is_preallocated_and_read_as_a_prefix(models) -> None:
         cache.update(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16), layer_idx=0)
 
 
+@pytest.mark.parametrize("kwargs_form", ["per_layer", "shared_dict"])
+def test_kv_cache_builds_every_layer_whichever_form_transformers_returns(models, monkeypatch, kwargs_form) -> None:
+    """transformers 5.17 returns one kwargs dict for all layers (and derives max_cache_len from
+    them, a property); later versions one dict per layer. Both must give a layer per layer."""
+    from rlhf.engine import kv_cache
+
+    config = models["mistral"].config  # sliding-window layers take kwargs
+    real = kv_cache.get_layer_types_and_kwargs
+
+    def shared_dict(text_config):
+        types, per_layer = real(text_config)
+        return types, (per_layer[0] if isinstance(per_layer, list) else per_layer)
+
+    if kwargs_form == "shared_dict":
+        monkeypatch.setattr(kv_cache, "get_layer_types_and_kwargs", shared_dict)
+    cache = RolloutKVCache(config, max_cache_len=8)
+    assert len(cache.layers) == config.num_hidden_layers
+    k = torch.randn(1, config.num_key_value_heads, 3, config.hidden_size // config.num_attention_heads)
+    for layer in range(config.num_hidden_layers):
+        keys, _ = cache.update(k, k, layer_idx=layer)
+        assert torch.equal(keys[:, :, :3], k)
+
+
 def test_input_and_params_validation(models, batch) -> None:
     model, (ids, mask) = models["llama"], batch
     params = SamplingParams(max_new_tokens=2, pad_token_id=PAD)

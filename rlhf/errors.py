@@ -9,11 +9,13 @@ handler; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
 
 
 class UserError(Exception):
@@ -28,6 +30,18 @@ class UserError(Exception):
 
 class JobStalled(UserError):
     """A collective failed because another rank stopped (timed out) or exited (connection closed)."""
+
+
+def import_dependency(module: str, needed_for: str, instead: str = "") -> ModuleType:
+    """`module`, or one UserError line naming what needs it and how to get it (a broken or minimal
+    environment otherwise ends in a ModuleNotFoundError traceback mid-run)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = module.split(".")[0]
+        alternative = f", or {instead}" if instead else ""
+        raise UserError(f"{needed_for} needs the Python package {package!r} ({exc}): pip install {package}"
+                        f"{alternative}") from None
 
 
 def debug_enabled() -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import TrackingConfig
-from rlhf.errors import UserError
+from rlhf.errors import UserError, import_dependency
 from rlhf.logging import get_logger
 from rlhf.outputs import strict_json
 
@@ -96,8 +96,8 @@ class Tracker:
         names = parse_report_to(config.report_to)
         run_name = config.run_name or f"{stage}-{output.resolve().name}"
         if "wandb" in names:
-            import wandb
-
+            wandb = import_dependency("wandb", "--report-to wandb",
+                                      instead="--report-to none (metrics.jsonl is written either way)")
             mode = wandb_mode()
             self._wandb = wandb.init(
                 project=config.wandb_project, entity=config.wandb_entity, name=run_name,

@@ -160,3 +160,19 @@ def test_collate_counts_supervised_tokens():
 def test_dialog_parser_needs_turns():
     with pytest.raises(UserError):
         parse_dialog("no turns", "x")
+
+
+def test_a_missing_optional_package_is_one_error_line(tmp_path, monkeypatch) -> None:
+    """A minimal environment without `datasets` or `wandb` (a GPU image, say) gets one line naming
+    what needs the package and how to get it, not a ModuleNotFoundError mid-run."""
+    from rlhf.config import TrackingConfig
+    from rlhf.tracking import Tracker
+
+    csv = tmp_path / "rows.csv"
+    csv.write_text("prompt,response\nhi,there\n")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import fails as if absent
+    with pytest.raises(UserError, match=r"rows\.csv: reading csv needs the Python package 'datasets'.*pip install"):
+        load_rows(str(csv))
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)
+    with pytest.raises(UserError, match=r"--report-to wandb needs .*'wandb'.*--report-to none"):
+        Tracker(tmp_path, "sft", TrackingConfig(report_to="wandb"), {}, True)

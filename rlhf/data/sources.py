@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf.errors import UserError
+from rlhf.errors import UserError, import_dependency
 from rlhf.logging import get_logger
 from rlhf.seeding import derive_seed
 
@@ -112,7 +112,7 @@ def load_rows(spec: str) -> list[RawRow]:
         if suffix in (".json", ".jsonl"):
             rows = _read_json_rows(path)
         elif suffix in (".parquet", ".csv"):
-            from datasets import load_dataset
+            load_dataset = import_dependency("datasets", f"{path}: reading {suffix[1:]}").load_dataset
 
             try:
                 with _quiet_datasets():
@@ -122,7 +122,8 @@ def load_rows(spec: str) -> list[RawRow]:
         else:
             raise UserError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl, .parquet or .csv")
     elif path.is_dir():
-        from datasets import load_dataset, load_from_disk
+        datasets = import_dependency("datasets", f"{path}: reading a dataset folder")
+        load_dataset, load_from_disk = datasets.load_dataset, datasets.load_from_disk
 
         if any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
             rows = _dataset_rows(load_from_disk(str(path)), spec)
@@ -134,8 +135,7 @@ def load_rows(spec: str) -> list[RawRow]:
     elif spec.startswith((".", "/", "~")) or Path(spec).suffix in (".json", ".jsonl", ".parquet", ".csv"):
         raise UserError(f"{spec}: file or folder not found")
     else:
-        from datasets import load_dataset
-
+        load_dataset = import_dependency("datasets", f"{spec}: loading a hub dataset").load_dataset
         try:
             rows = _dataset_rows(load_dataset(spec, split="train"), spec)
         except Exception as exc:

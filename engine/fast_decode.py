@@ -47,6 +47,7 @@ from rlhf.engine import fused_layers
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 from rlhf.engine.cpu_matmul import is_plain_linear, uses_onednn_linears
 from rlhf.engine.cpu_matmul import linear as onednn_linear
+from rlhf.engine.decode_graph import DecodeGraph, StaticDecodeInputs, cuda_graph_decode_requested
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
 
@@ -217,12 +218,17 @@ class FastLlamaDecoder:
     True always (on the CPU that is the op's PyTorch reference, which is how the CPU tests check
     the wiring), False never (SDPA, the reference). `uses_attention_kernel` says which.
     `kernels.generation_kernels(False)` turns both "auto" kernels off.
+
+    `cuda_graph`: decode steps read static buffers and replay as one CUDA graph per batch size
+    (engine/decode_graph.py; "auto" = on CUDA with RLHF_CUDA_GRAPH_DECODE=1, until a GPU session
+    has validated it; True on the CPU runs that static step eagerly, as the tests do).
     """
 
     def __init__(
         self, model: nn.Module, batch: int, max_len: int,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
         attention_kernel: bool | Literal["auto"] = "auto", packed_gemm: bool | Literal["auto"] = "auto",
+        cuda_graph: bool | Literal["auto"] = "auto",
     ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:
@@ -273,6 +279,11 @@ class FastLlamaDecoder:
         self.packed_gemm = self._kernel_step is not None and self._kernel_step.packed
         self._attention_kernel = attention_kernel
         self.uses_attention_kernel = self._wants_attention_kernel(batch)
+        # Steps over static buffers, captured as a CUDA graph (engine/decode_graph.py); opt-in
+        # until validated on a GPU. On the CPU (cuda_graph=True) the static step runs eagerly.
+        self.wants_cuda_graph = self._kernel_step is None and (
+            cuda_graph is True or (cuda_graph == "auto" and device.type == "cuda" and cuda_graph_decode_requested()))
+        self._graph: DecodeGraph | None = None
 
     def _wants_attention_kernel(self, batch: int) -> bool:
         """Whether decode steps over `batch` rows go through `kernels.decode_attention`."""
@@ -293,6 +304,7 @@ class FastLlamaDecoder:
         (it shares the weights, so that costs no copy).
         """
         kernel_isa, self._kernel_step = self.kernel_isa, None  # drop its references to the old cache
+        self._graph = None  # a new batch size over new cache buffers: captured again on the next step
         dropping = index.numel() <= self.keys[0].shape[0] and bool((index[1:] > index[:-1]).all())
         # Rows before the first dropped one stay where they are.
         moved = index != torch.arange(index.numel(), device=index.device)
@@ -468,6 +480,34 @@ class FastLlamaDecoder:
         self.length += steps
         return self.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
 
+    def _static_decode(self, inputs: StaticDecodeInputs) -> torch.Tensor:
+        """One decode step reading only `inputs`' fixed buffers (no host value), as a CUDA graph
+        replays it: the cache slot comes from a device scalar, attention runs over the whole cache
+        under the [B, max_len] key mask. -> [B, V] logits."""
+        batch = inputs.tokens.shape[0]
+        rope = (self.cos[inputs.positions].unsqueeze(2), self.sin_signed[inputs.positions].unsqueeze(2))
+        x = F.embedding(inputs.tokens.reshape(-1), self.embed)
+        for i, w in enumerate(self.layers):
+            x = x + self._slot_attention(w, x, i, rope, inputs, batch)
+            x = x + self._mlp(w, x)
+        return self.linear(self.rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_head_bias)
+
+    def _slot_attention(
+        self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
+        inputs: StaticDecodeInputs, batch: int,
+    ) -> torch.Tensor:
+        """_attention of one decode step whose keys and values go to cache slot `inputs.slot`."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
+        qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
+        qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, inputs.slot, qk.narrow(2, heads, kv_heads).transpose(1, 2))
+        values.index_copy_(2, inputs.slot, qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2))
+        q = qk[:, -1].narrow(1, 0, heads)
+        out = decode_attention(q, keys, values, inputs.key_mask, scale=self.scaling)
+        return self.linear(out.reshape(batch, heads * head_dim), w.wo, w.bo)
+
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """Boolean visibility -> the additive mask SDPA adds to the scores (0 or -inf)."""
         zero = torch.zeros((), dtype=self.embed.dtype, device=visible.device)
@@ -490,6 +530,14 @@ class FastLlamaDecoder:
         """One token per sequence [B, 1] at `position_ids` [B, 1]; `attention_mask` [B, cached + 1]."""
         if self._kernel_step is not None:
             logits = self._kernel_step.step(tokens, position_ids, attention_mask, self.length)
+            self.length += 1
+            return logits
+        if self.wants_cuda_graph:
+            if self.length + 1 > self.max_len:
+                raise RuntimeError(f"KV cache overflow: writing up to position {self.length + 1} of {self.max_len}")
+            if self._graph is None:
+                self._graph = DecodeGraph(self._static_decode, tokens.shape[0], self.max_len, tokens.device)
+            logits = self._graph.step(tokens, attention_mask, position_ids, self.length)
             self.length += 1
             return logits
         if self.uses_attention_kernel:

@@ -12,6 +12,7 @@ of all cached tokens; on a GPU compare it with the device's peak via --peak-gbs.
                                                         # char vocab), B=32, P=64, N=64
     python scripts/bench_generation.py --threads 2 --batch 8 --new 128
     python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --peak-gbs 3350
+    python scripts/bench_generation.py --device cuda --preset 1b --batch 1 --cuda-graph   # graph-replayed steps
     python scripts/bench_generation.py --fast off       # ours through the HF forward (reference)
     python scripts/bench_generation.py --kernel off     # fast decoder, Python decode step
     python scripts/bench_generation.py --model runs/smollm2 --batch 8 --new 64   # a real model folder,
@@ -92,6 +93,8 @@ def parse_args() -> argparse.Namespace:
         "--kernel", choices=["auto", "off"], default="auto",
         help="the fused CPU decode step where it can run (auto) or the fast decoder's Python step (off)",
     )
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="our decode steps replayed as CUDA graphs (RLHF_CUDA_GRAPH_DECODE=1, engine/decode_graph.py)")
     p.add_argument("--no-hf", action="store_true", help="time only ours")
     p.add_argument(
         "--samples-per-prompt", type=int, default=1,
@@ -219,6 +222,8 @@ def main() -> None:
         raise SystemExit(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
     if args.kernel == "off":
         os.environ["RLHF_DISABLE_OPS"] = "1"  # read when an op is first loaded
+    if args.cuda_graph:
+        os.environ["RLHF_CUDA_GRAPH_DECODE"] = "1"  # read when each generate call builds its decoder
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     if args.threads:

@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_session.sh correctness   # pytest -m gpu, compute-sanitizer memcheck + racecheck
 #   bash scripts/gpu_session.sh bench         # bench_adam / bench_generation on cuda, rlhf e2e in bf16
+#   bash scripts/gpu_session.sh graphs        # CUDA-graph decode steps: their GPU test, bench_generation 1b
+#   bash scripts/gpu_session.sh e2e           # rlhf e2e on the GPU (bf16), --report-to none
 #   bash scripts/gpu_session.sh suite         # the whole test suite with CUDA visible
 #
 # Several phases may be named in one call. Logs go to $OUT (the device tool brings them back)
@@ -53,6 +55,15 @@ memcheck_rest() {
 gputests() {
     echo "== pytest -m gpu (builds the CUDA ops)"
     timeout 280 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs 2>&1 | tee "$LOGS/gpu_tests.log" | tail -15
+}
+
+graphs() {
+    echo "== bench_generation 1b with CUDA-graph decode steps (RLHF_CUDA_GRAPH_DECODE=1)"
+    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_decode.py -k graph 2>&1 | tail -5
+    for b in 1 64; do
+        timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch $b --new 128 --repeats 3 \
+            --peak-gbs 3350 --cuda-graph 2>&1 | tee "$LOGS/bench_gen_graph_b$b.log" | tail -4
+    done
 }
 
 e2e() {

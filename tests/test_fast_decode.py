@@ -89,6 +89,8 @@ STEP_KINDS = {
     # The Python step attending through kernels.decode_attention: on the CPU its reference, fed
     # the decoder's own cache buffers and key mask, which is what the CUDA op reads on a GPU.
     "decode-attention": dict(cpu_kernel=False, attention_kernel=True),
+    # The step over static buffers a CUDA graph replays (engine/decode_graph.py), run eagerly here.
+    "static-step": dict(cpu_kernel=False, cuda_graph=True),
 }
 
 
@@ -116,6 +118,7 @@ def test_logits_match_the_reference_every_step(models, batch, family: str, step_
             fast_logits = fast.decode(token, full_mask[:, :width], pos)
             ref_logits = ref.decode(token, full_mask[:, :width], pos)
     assert fast.length == ref.cache.get_seq_length() == p + steps - 1
+    assert fast.wants_cuda_graph == (step_kind == "static-step")
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES)
@@ -326,3 +329,56 @@ def test_a_fused_model_prefills_through_the_fused_layer_ops(models, batch, famil
                                    ref.decode(token, full_mask, positions[:, -1:] + 1), atol=1e-4, rtol=0)
     assert calls["attention"] == len(plain.model.layers)  # decode steps do not go through it
     assert torch.equal(generate(fused, ids, mask, _greedy(8)).sequences, generate(plain, ids, mask, _greedy(8)).sequences)
+
+
+def test_static_step_generates_like_the_decoder_through_dropped_rows_and_groups(models, batch, monkeypatch) -> None:
+    """generate() over the static-buffer step (what a CUDA graph replays) gives the tokens of the
+    decoder's own step, through finished rows dropped (expand) and group sampling's copies."""
+    from functools import partial
+
+    from rlhf.engine import generation
+
+    model, (ids, mask) = models["llama"], batch
+    params = SamplingParams(max_new_tokens=12, pad_token_id=PAD, eos_token_id=[7, 40], temperature=0.9,
+                            sync_every=2)
+    runs = {}
+    for static in (False, True):
+        monkeypatch.setattr(generation, "FastLlamaDecoder", partial(FastLlamaDecoder, cpu_kernel=False,
+                                                                   cuda_graph=static))
+        runs[static] = [generate(model, ids, mask, params, torch.Generator().manual_seed(3), fast=True,
+                                 samples_per_prompt=n) for n in (1, 3)]
+    for eager, static in zip(runs[False], runs[True]):
+        assert torch.equal(eager.sequences, static.sequences) and torch.equal(eager.action_mask, static.action_mask)
+    assert runs[True][0].finished.any()  # rows did finish, so some were dropped mid-rollout
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_decode_replays_the_static_step(tok, batch) -> None:
+    """On a GPU: the captured step's logits follow the eager decoder's step by step (fp16, the
+    decode attention op in both), and generate() through graphs picks argmax tokens (bf16)."""
+    model = _peaked_cuda_model(tok, torch.float16)
+    ids, mask = (t.cuda() for t in batch)
+    b, p = ids.shape
+    steps = 8
+    graphed = FastLlamaDecoder(model, b, p + steps, cuda_graph=True)
+    eager = FastLlamaDecoder(model, b, p + steps, cuda_graph=False)
+    positions = position_ids_from_mask(mask)
+    full_mask = torch.cat([mask, torch.ones(b, steps, dtype=mask.dtype, device="cuda")], dim=1)
+    with torch.no_grad():
+        g, e = graphed.prefill(ids, mask, positions), eager.prefill(ids, mask, positions)
+        for step in range(steps - 1):
+            torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
+            token, pos = e.argmax(-1, keepdim=True), positions[:, -1:] + step + 1
+            g = graphed.decode(token, full_mask[:, : p + step + 1], pos)
+            e = eager.decode(token, full_mask[:, : p + step + 1], pos)
+    assert graphed._graph is not None and graphed._graph.replays == steps - 2
+    bf16 = _peaked_cuda_model(tok, torch.bfloat16)
+    import os
+
+    os.environ["RLHF_CUDA_GRAPH_DECODE"] = "1"
+    try:
+        out = generate(bf16, ids, mask, _greedy(16), fast=True)
+    finally:
+        del os.environ["RLHF_CUDA_GRAPH_DECODE"]
+    _assert_greedy_under_teacher_forcing(bf16, out)

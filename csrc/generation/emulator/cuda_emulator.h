@@ -281,6 +281,12 @@ void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, Args&&... args
 
 inline void __syncthreads() { emu::wait(emu::State::kBlockBarrier); }
 
+// A barrier among the warp's lanes (on the GPU also ordering their shared-memory accesses).
+inline void __syncwarp(unsigned int = 0xffffffffu) {
+  uint64_t lanes[32];
+  emu::warp_exchange(0, lanes);
+}
+
 template <typename T>
 inline T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
   uint64_t lanes[32];

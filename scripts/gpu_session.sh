@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh bench         # bench_adam / bench_generation on cuda, rlhf e2e in bf16
 #   bash scripts/gpu_session.sh graphs        # CUDA-graph decode steps: their GPU test, bench_generation 1b
 #   bash scripts/gpu_session.sh e2e           # rlhf e2e on the GPU (bf16), --report-to none
+#   bash scripts/gpu_session.sh ppo1b         # rlhf ppo on a 1.1B Llama: per-phase time and peak memory
 #   bash scripts/gpu_session.sh suite         # the whole test suite with CUDA visible
 #
 # Several phases may be named in one call. Logs go to $OUT (the device tool brings them back)
@@ -64,6 +65,45 @@ graphs() {
         timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch $b --new 128 --repeats 3 \
             --peak-gbs 3350 --cuda-graph 2>&1 | tee "$LOGS/bench_gen_graph_b$b.log" | tail -4
     done
+}
+
+ppo1b() {
+    # GPU.md item 4: PPO on a 1.1B Llama (TinyLlama's shape, char vocabulary), bf16; per-phase
+    # time, peak GPU memory per phase and the rollout/training log-prob difference, from
+    # metrics.jsonl. PPO1B_SHAPE="hidden layers heads kv_heads ffn" shrinks it (a CPU smoke test).
+    echo "== rlhf ppo on the 1B shape"
+    local root=/tmp/ppo1b
+    rm -rf "$root" && mkdir -p "$root"
+    read -r hidden layers heads kv ffn <<< "${PPO1B_SHAPE:-2048 22 32 4 5632}"
+    "$PY" - "$root" "$hidden" "$layers" "$heads" "$kv" "$ffn" <<'PYEOF' || return
+import sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+from argparse import Namespace
+import bench_ppo
+from rlhf.models.loading import load_tokenizer
+from rlhf.models.tiny import save_tiny_model
+root, (hidden, layers, heads, kv, ffn) = Path(sys.argv[1]), map(int, sys.argv[2:])
+actor = save_tiny_model(root / "actor", "llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
+                        num_kv_heads=kv, intermediate_size=ffn, max_positions=2048)
+bench_ppo.write_prompts(load_tokenizer(str(actor)), root / "prompts.jsonl", 64 * 6, 64)
+args = bench_ppo.reward_args(Namespace(advantage_estimator="gae", new_tokens=128), actor, root)
+(root / "reward_args").write_text(" ".join(args))
+PYEOF
+    timeout "${PPO1B_SECONDS:-400}" rlhf ppo --actor "$root/actor" --data "$root/prompts.jsonl" \
+        $(cat "$root/reward_args") --output "$root/ppo" --max-steps "${PPO1B_STEPS:-5}" \
+        --generation-batch-size 64 --micro-batch-size 16 --max-new-tokens 128 --max-prompt-len 64 \
+        --ppo-epochs 1 --report-to none --sample-log-interval 0 --lr 1e-6 2>&1 | grep -v "it/s" \
+        | tee "$LOGS/ppo1b.log" | tail -8
+    cp "$root/ppo/metrics.jsonl" "$LOGS/ppo1b_metrics.jsonl" 2>/dev/null
+    "$PY" - "$root/ppo/metrics.jsonl" <<'PYEOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+keys = ("generation_s", "reward_s", "experience_s", "training_s", "samples_per_s", "old_logprob_diff_max")
+for row in rows:
+    memory = {k[len("peak_mem_gb_"):]: round(v, 2) for k, v in row.items() if k.startswith("peak_mem_gb_")}
+    print(json.dumps({**{k: float(f"{row.get(k, float('nan')):.4g}") for k in keys}, "peak_mem_gb": memory}))
+PYEOF
 }
 
 e2e() {

@@ -105,7 +105,8 @@ class DecodeGraph:
         torch.cuda.current_stream().wait_stream(side)
         logits.record_stream(torch.cuda.current_stream())  # allocated on the side stream, used on this one
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA calls of other threads (NCCL's watchdog polling its events) stay legal.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self.static_step(self.inputs)
         self.graph = graph
         return logits

@@ -8,7 +8,8 @@
 #   bash scripts/gpu_session.sh ppo1b         # rlhf ppo on a 1.1B Llama: per-phase time and peak memory
 #   bash scripts/gpu_session.sh suite         # the whole test suite with CUDA visible
 #
-# Several phases may be named in one call; SUITE_ARGS passes pytest options (-n 8 with xdist, -k ...). Logs go to $OUT (the device tool brings them back)
+# Several phases may be named in one call; SUITE_ARGS passes pytest options to `suite` (-n 8 with
+# xdist, -k ...). Logs go to $OUT (the device tool brings them back)
 # or to ./gpu-logs. The project is installed editable without touching the machine's packages
 # (--no-deps: the image's torch/transformers are used as they are).
 set -u

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One lent-GPU session's checks (../shared/GPU.md), phase by phase, each in one command:
 #
-#   bash scripts/gpu_session.sh correctness   # pytest -m gpu, compute-sanitizer memcheck + racecheck
-#   bash scripts/gpu_session.sh bench         # bench_adam / bench_generation on cuda, rlhf e2e in bf16
+#   bash scripts/gpu_session.sh correctness   # pytest -m gpu, rlhf report, compute-sanitizer memcheck + racecheck
+#   (and its parts alone: gputests, racecheck, memcheck_rest)
+#   bash scripts/gpu_session.sh bench         # bench_adam, bench_generation 1b (batch 1 and 64) on cuda
 #   bash scripts/gpu_session.sh graphs        # CUDA-graph decode steps: their GPU test, bench_generation 1b
 #   bash scripts/gpu_session.sh e2e           # rlhf e2e on the GPU (bf16), --report-to none
 #   bash scripts/gpu_session.sh ppo1b         # rlhf ppo on a 1.1B Llama: per-phase time and peak memory
@@ -124,8 +125,6 @@ bench() {
         --peak-gbs 3350 2>&1 | tee "$LOGS/bench_gen_b1.log" | tail -6
     timeout 200 "$PY" scripts/bench_generation.py --device cuda --preset 1b --batch 64 --new 128 --repeats 3 \
         --peak-gbs 3350 2>&1 | tee "$LOGS/bench_gen_b64.log" | tail -6
-    echo "== rlhf e2e (cuda, bf16)"
-    timeout 200 rlhf e2e --output /tmp/e2e-gpu --report-to none 2>&1 | tee "$LOGS/e2e.log" | tail -30
 }
 
 suite() {

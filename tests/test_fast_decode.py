@@ -354,7 +354,7 @@ def test_static_step_generates_like_the_decoder_through_dropped_rows_and_groups(
 
 @pytest.mark.gpu
 @requires_cuda
-def test_cuda_graph_decode_replays_the_static_step(tok, batch) -> None:
+def test_cuda_graph_decode_replays_the_static_step(tok, batch, monkeypatch) -> None:
     """On a GPU: the captured step's logits follow the eager decoder's step by step (fp16, the
     decode attention op in both), and generate() through graphs picks argmax tokens (bf16)."""
     model = _peaked_cuda_model(tok, torch.float16)
@@ -374,11 +374,5 @@ def test_cuda_graph_decode_replays_the_static_step(tok, batch) -> None:
             e = eager.decode(token, full_mask[:, : p + step + 1], pos)
     assert graphed._graph is not None and graphed._graph.replays == steps - 2
     bf16 = _peaked_cuda_model(tok, torch.bfloat16)
-    import os
-
-    os.environ["RLHF_CUDA_GRAPH_DECODE"] = "1"
-    try:
-        out = generate(bf16, ids, mask, _greedy(16), fast=True)
-    finally:
-        del os.environ["RLHF_CUDA_GRAPH_DECODE"]
-    _assert_greedy_under_teacher_forcing(bf16, out)
+    monkeypatch.setenv("RLHF_CUDA_GRAPH_DECODE", "1")  # how generate() is asked for graph-replayed steps
+    _assert_greedy_under_teacher_forcing(bf16, generate(bf16, ids, mask, _greedy(16), fast=True))

@@ -12,9 +12,9 @@ runs over the whole cache buffer, reading only the positions the mask allows.
 
 `DecodeGraph.step` copies a step's inputs into those buffers, runs the step eagerly the first
 time (on a side stream, as capture needs: it is the real step, its KV written and its logits
-returned) and captures it; later steps replay the graph. Off CUDA (or with `capture=False`) it
-runs the static step eagerly every time: the CPU tests check that path against the decoder's
-own step, and the GPU tests check the replay against it.
+returned) and captures it; later steps replay the graph. Off CUDA it runs the static step
+eagerly every time: the CPU tests check that path against the decoder's own step, and the GPU
+tests check the replay against it.
 
 Opt-in until a GPU session has validated it (RLHF_CUDA_GRAPH_DECODE=1, or
 `FastLlamaDecoder(cuda_graph=True)`); group sampling's `expand` drops the graph (new batch,
@@ -64,20 +64,19 @@ class StaticDecodeInputs:
         """This step's inputs: tokens [B, 1], attention_mask [B, slot + 1], position_ids [B, 1]."""
         self.tokens.copy_(tokens)
         self.positions.copy_(position_ids)
-        filled = attention_mask.shape[1]
-        self.key_mask.narrow(1, 0, filled).copy_(attention_mask)
-        self.key_mask.narrow(1, filled, self.key_mask.shape[1] - filled).fill_(False)
+        # The tail past the filled prefix was never written (allocated False; one graph lives
+        # while its prefix only grows), so only the prefix is copied.
+        self.key_mask.narrow(1, 0, attention_mask.shape[1]).copy_(attention_mask)
         self.slot.fill_(slot)
 
 
 class DecodeGraph:
     """Decode steps of one batch size through `static_step`, captured and replayed on CUDA."""
 
-    def __init__(self, static_step: StaticStep, batch: int, max_len: int, device: torch.device,
-                 capture: bool = True) -> None:
+    def __init__(self, static_step: StaticStep, batch: int, max_len: int, device: torch.device) -> None:
         self.static_step = static_step
         self.inputs = StaticDecodeInputs.allocate(batch, max_len, device)
-        self.capture = capture and device.type == "cuda"
+        self.capture = device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.replays = 0

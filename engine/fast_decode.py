@@ -383,13 +383,11 @@ class FastLlamaDecoder:
         A 2-D `mask` is the boolean key mask [B, cached + 1] of a decode step for the kernel.
         """
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
-        qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
-        qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)  # queries and keys together
+        qk, new_keys, new_values = self._rotated_qkv(w, x, rope, batch, steps)
         keys, values = self.keys[layer], self.values[layer]
         end = self.length + steps
-        keys.narrow(2, self.length, steps).copy_(qk.narrow(2, heads, kv_heads).transpose(1, 2))
-        values.narrow(2, self.length, steps).copy_(qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2))
+        keys.narrow(2, self.length, steps).copy_(new_keys)
+        values.narrow(2, self.length, steps).copy_(new_values)
         k, v = keys.narrow(2, 0, end), values.narrow(2, 0, end)
         groups = heads // kv_heads
         if mask.dim() == 2:
@@ -412,6 +410,18 @@ class FastLlamaDecoder:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
             out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
         return self.linear(out, w.wo, w.bo)
+
+    def _rotated_qkv(
+        self, w: _LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: int, steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's fused q/k/v projection of x [B*T, hidden] with RoPE applied: (queries and
+        keys [B, T, H + Hkv, D], this step's keys and values [B, Hkv, T, D] in the cache's layout)."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
+        qkv = qkv.view(batch, steps, heads + 2 * kv_heads, head_dim)
+        qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)  # queries and keys together
+        new_values = qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2)
+        return qk, qk.narrow(2, heads, kv_heads).transpose(1, 2), new_values
 
     def _fused_attention(
         self, w: _LayerWeights, x: torch.Tensor, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
@@ -497,13 +507,11 @@ class FastLlamaDecoder:
         inputs: StaticDecodeInputs, batch: int,
     ) -> torch.Tensor:
         """_attention of one decode step whose keys and values go to cache slot `inputs.slot`."""
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._linear_t(self.rms_norm(x, w.input_norm, w.input_eps), w.wqkv_t, w.bqkv)
-        qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
-        qk = apply_rope(qkv.narrow(2, 0, heads + kv_heads), *rope)
+        heads, head_dim = self.num_heads, self.head_dim
+        qk, new_keys, new_values = self._rotated_qkv(w, x, rope, batch, 1)
         keys, values = self.keys[layer], self.values[layer]
-        keys.index_copy_(2, inputs.slot, qk.narrow(2, heads, kv_heads).transpose(1, 2))
-        values.index_copy_(2, inputs.slot, qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2))
+        keys.index_copy_(2, inputs.slot, new_keys)
+        values.index_copy_(2, inputs.slot, new_values)
         q = qk[:, -1].narrow(1, 0, heads)
         out = decode_attention(q, keys, values, inputs.key_mask, scale=self.scaling)
         return self.linear(out.reshape(batch, heads * head_dim), w.wo, w.bo)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -170,9 +171,9 @@ def test_a_missing_optional_package_is_one_error_line(tmp_path, monkeypatch) -> 
 
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt,response\nhi,there\n")
-    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if absent
     with pytest.raises(UserError, match=r"rows\.csv: reading csv needs the Python package 'datasets'.*pip install"):
         load_rows(str(csv))
-    monkeypatch.setitem(__import__("sys").modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(UserError, match=r"--report-to wandb needs .*'wandb'.*--report-to none"):
         Tracker(tmp_path, "sft", TrackingConfig(report_to="wandb"), {}, True)

@@ -147,6 +147,11 @@ class _LayerWeights:
     w_gate_up_t: torch.Tensor
     """[hidden, 2 ffn], contiguous: gate's columns, then up's."""
     b_gate_up: torch.Tensor | None
+    w_gate: torch.Tensor
+    """The model's own gate and up weights, [ffn, hidden] (no copy): a prefill's gate and up
+    products, each into its own tensor, read them whole (a column slice of w_gate_up_t would
+    send oneDNN to its slow strided path and MKL to a slower one)."""
+    w_up: torch.Tensor
     w_down: torch.Tensor
     b_down: torch.Tensor | None
 
@@ -182,6 +187,7 @@ def _layer_weights(layer: nn.Module) -> _LayerWeights:
         post_norm=layer.post_attention_layernorm.weight.detach(),
         post_eps=float(layer.post_attention_layernorm.variance_epsilon),
         w_gate_up_t=w_gate_up_t, b_gate_up=b_gate_up,
+        w_gate=mlp.gate_proj.weight.detach(), w_up=mlp.up_proj.weight.detach(),
         w_down=mlp.down_proj.weight.detach(), b_down=_bias(mlp.down_proj),
     )
 
@@ -453,8 +459,8 @@ class FastLlamaDecoder:
             ffn = w.w_down.shape[1]
             bias = (None, None) if w.b_gate_up is None else (w.b_gate_up[:ffn], w.b_gate_up[ffn:])
             # Gate and up as two products into their own tensors: the fused SwiGLU reads them whole.
-            gate = self._linear_t(h, w.w_gate_up_t[:, :ffn], bias[0])
-            up = self._linear_t(h, w.w_gate_up_t[:, ffn:], bias[1])
+            gate = self.linear(h, w.w_gate, bias[0])
+            up = self.linear(h, w.w_up, bias[1])
             return self.linear(fused_layers.swiglu(gate, up), w.w_down, w.b_down)
         h = self.rms_norm(x, w.post_norm, w.post_eps)
         gate, up = self._linear_t(h, w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)

@@ -115,12 +115,16 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
                     torch.testing.assert_close(g[:, :, : 7 + steps], w[:, :, : 7 + steps], atol=1e-5, rtol=1e-5)
 
 
-def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op) -> None:
-    weight = torch.randn(37, 12)  # [out, in]: .t() is the column-major [in, out] view the step packs
-    packed = op.pack_panels(weight.t())
+@pytest.mark.parametrize("layout", ["column-major", "row-major", "column slice"])
+def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op, layout: str) -> None:
+    # The [in, out] views the step packs: a [out, in] weight's .t(), a transposed copy, and gate's
+    # or up's columns of the fused gate/up copy.
+    weight_t = {"column-major": lambda: torch.randn(37, 12).t(), "row-major": lambda: torch.randn(12, 37),
+                "column slice": lambda: torch.randn(12, 50)[:, 5:42]}[layout]()
+    packed = op.pack_panels(weight_t)
     assert packed.shape == (3, 12, 16)
     for p in range(3):
-        cols = weight.t()[:, 16 * p : 16 * (p + 1)]
+        cols = weight_t[:, 16 * p : 16 * (p + 1)]
         assert torch.equal(packed[p, :, : cols.shape[1]], cols)
         assert not packed[p, :, cols.shape[1] :].any()
 

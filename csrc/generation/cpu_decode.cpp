@@ -90,13 +90,24 @@ at::Tensor pack_panels(const at::Tensor& w_t) {
               "rlhf_cpu_decode.pack_panels: the weight must be a [in, out] float32 CPU tensor");
   const int64_t in = w_t.size(0), out = w_t.size(1), panels = (out + kPanelColumns - 1) / kPanelColumns;
   at::Tensor packed = at::zeros({panels, in, kPanelColumns}, w_t.options());
-  const auto src = w_t.accessor<float, 2>();
+  const float* src = w_t.data_ptr<float>();
+  const int64_t row_stride = w_t.stride(0), col_stride = w_t.stride(1);
   float* dst = packed.data_ptr<float>();
+  // Reads in the source's own order: along a row of w_t where its columns are adjacent (a
+  // transposed copy), else down a column (a [out, in] weight's row, viewed transposed).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t k = 0; k < in; ++k)
-        for (int64_t c = 0; c < kPanelColumns && p * kPanelColumns + c < out; ++c)
-          dst[(p * in + k) * kPanelColumns + c] = src[k][p * kPanelColumns + c];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanelColumns, out - p * kPanelColumns);
+      const float* panel_src = src + p * kPanelColumns * col_stride;
+      float* panel_dst = dst + p * in * kPanelColumns;
+      if (col_stride == 1) {
+        for (int64_t k = 0; k < in; ++k)
+          std::memcpy(panel_dst + k * kPanelColumns, panel_src + k * row_stride, cols * sizeof(float));
+      } else {
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t k = 0; k < in; ++k) panel_dst[k * kPanelColumns + c] = panel_src[c * col_stride + k * row_stride];
+      }
+    }
   });
   return packed;
 }

@@ -7,10 +7,12 @@
 What is counted is the work the algorithm needs, as the MFU convention counts it (PaLM, appendix
 B): 2 FLOPs per multiply-add of every linear layer for every real token, the attention products
 (QK^T and AV) over the causal pairs of real tokens, and the LM head only where a logit is used
-(the positions that score a response token). Padding, masked attention pairs, elementwise ops,
-the head of positions nobody reads and, in a prefill, the last layer's work that only feeds those
-positions (all but its keys and values) are not counted, so a run that computes them shows up
-as a lower fraction of the compute bound. A backward costs twice its forward.
+(the positions that score a response token). Padding, masked attention pairs, elementwise ops
+and the head of positions nobody reads are not counted, so a run that computes them shows up
+as a lower fraction of the compute bound. A backward costs twice its forward. As in MFU, every
+real token counts through every layer whatever an implementation leaves out: the fast prefill
+(engine/fast_decode.py) runs only the keys and values of its last layer before the last position
+(~1% of a PPO iteration's count on the peers' 4-layer model), which is counted all the same.
 
 Supports the config fields of the Llama, Qwen2, Mistral, OPT and GPT-2 families.
 """
@@ -112,21 +114,10 @@ def forward_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_
     return total
 
 
-def _prompt_prefill_flops(shape: TransformerShape, prompt_len: int) -> int:
-    """One prompt into the KV cache, with its last position's logits. Of the last layer the cache
-    needs only the keys and values of the positions before the last: its queries, attention,
-    output projection and MLP run for the last position alone (engine/fast_decode.py's prefill)."""
-    if prompt_len == 0:
-        return 0
-    keys_values = 2 * 2 * shape.hidden * shape.kv_dim  # per token
-    last_layer = (prompt_len - 1) * keys_values + shape.layer_linear_flops + 4 * shape.q_dim * prompt_len
-    earlier = _span_flops(shape, 0, prompt_len) * (shape.layers - 1) // shape.layers
-    return earlier + last_layer + shape.head_flops("lm")
-
-
 def prefill_flops(shape: TransformerShape, prompt_lens: Sequence[int], samples_per_prompt: int = 1) -> int:
-    """Each prompt's prefill (_prompt_prefill_flops), once per group of `samples_per_prompt` rows."""
-    return sum(_prompt_prefill_flops(shape, p) for row, p in enumerate(prompt_lens) if row % samples_per_prompt == 0)
+    """Each prompt's prefill, once per group of `samples_per_prompt` rows (its last position's logits)."""
+    return sum(_span_flops(shape, 0, p) + shape.head_flops("lm")
+               for row, p in enumerate(prompt_lens) if row % samples_per_prompt == 0)
 
 
 def decode_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> int:

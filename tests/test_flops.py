@@ -38,16 +38,9 @@ def test_padding_is_not_counted_and_shared_prompts_run_once() -> None:
 
 
 def test_generation_counts_prefill_once_per_group_and_one_step_per_fed_token() -> None:
-    # Prompt of 2, one layer: that layer is the last, so the first position needs only its key and
-    # value (2 x 2 FLOPs x hidden 4 x kv 2) and the last runs the whole layer, attending to 2 keys;
-    # one head. With a second layer before it, that layer runs both tokens whole (pairs 1 + 2).
-    last_layer = 2 * 2 * 4 * 2 + LINEAR + 4 * 4 * 2
-    assert prefill_flops(SHAPE, [2]) == last_layer + HEAD
-    two_layers = TransformerShape(layers=2, hidden=4, q_dim=4, kv_dim=2, intermediate=8, gated_mlp=True, vocab=10)
-    assert prefill_flops(two_layers, [2]) == 2 * LINEAR + 4 * 4 * 3 + last_layer + HEAD
-    assert prefill_flops(SHAPE, [0]) == 0
-    # Response of 3 tokens: tokens 1 and 2 are fed back (the last is not), at positions 2 and 3:
-    # pairs 3 + 4, two heads.
+    # Prompt of 2: prefill = 2 tokens, pairs 1 + 2, one head. Response of 3 tokens: tokens 1 and 2
+    # are fed back (the last is not), at positions 2 and 3: pairs 3 + 4, two heads.
+    assert prefill_flops(SHAPE, [2]) == 2 * LINEAR + 4 * 4 * 3 + HEAD
     assert decode_flops(SHAPE, [2], [3]) == 2 * LINEAR + 4 * 4 * 7 + 2 * HEAD
     assert generation_flops(SHAPE, [2, 2], [3, 3], samples_per_prompt=2) == (
         prefill_flops(SHAPE, [2]) + 2 * decode_flops(SHAPE, [2], [3]))

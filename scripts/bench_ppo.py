@@ -21,12 +21,14 @@ compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` 
 tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch keeps up
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
 forward + backward; each GEMM by the faster of MKL and oneDNN, all of them over and over for a
-second: a sustained rate, as the iteration's is; measured after each of our runs, each phase's
-fastest measurement used), over the measured iteration time; `phase_fractions` splits it by
-phase. 1.0 would be a run that does nothing but its necessary matmuls at that rate.
+quarter second, the best of four such windows: a sustained rate, as the iteration's is; measured
+after each of our runs, each phase's fastest measurement used), over the measured iteration time;
+`phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary matmuls at that rate.
 `compute_bound_fraction_vs_burst` is the same against each GEMM's fastest single call
 (`matmul_burst_gflop_per_s`), which a shared VM reaches only between its slow moments;
-`burst_ceiling` is what nothing but the GEMMs, at the sustained rate, would score against those.
+`burst_ceiling` is what nothing but the GEMMs, at the sustained rate, would score against those;
+below SLOW_SPELL_CEILING the references were measured in a slow spell of the machine (they would
+raise the fraction), which the JSON says (`reference_slow_spell`) and a warning repeats.
 `compute_bound_fraction_with_kv_reads` adds the decode steps' KV-cache reads at the read bandwidth
 measured in the same run over a mean step's working set (`kv_cache_read_s`, `read_gb_per_s`): the
 floor a decode step has besides its matmuls (each step reads its rows' whole cache), so 1.0 - this
@@ -47,6 +49,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +57,7 @@ from pathlib import Path
 import torch
 
 PEER_DIR = Path(os.environ.get("TRL_PEER_DIR", "/tmp/trl-peer"))
+SLOW_SPELL_CEILING = 0.85  # sustained/burst this low: the machine slowed down while the references ran
 PEER_SCRIPTS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "trl"
 
 VOWELS_REWARD = '''
@@ -212,14 +216,16 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
 
 
 def gemm_rates(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5,
-               min_seconds: float = 0.25, sustained_seconds: float = 1.0) -> tuple[float, float]:
+               min_seconds: float = 0.25, window_seconds: float = 0.25, windows: int = 4) -> tuple[float, float]:
     """(burst, sustained) FLOP/s of one phase's GEMMs (phase_gemms), each GEMM by its faster
     implementation. Burst: the sum of each GEMM's best single call (of at least `repeats` runs
     and of `min_seconds`: a decode step's few rows take well under a millisecond, and a best of a
     handful would be one hiccup from a rate too low). Sustained: every GEMM in turn, over and over
-    for `sustained_seconds`, total FLOPs over total time: what the machine keeps up under load,
-    the way an iteration's time is measured (a mean). On a shared VM the two differ: single calls
-    catch the fastest moments, a stream of them pays for the slow ones as a training run does."""
+    for `window_seconds`, total FLOPs over total time: what the machine keeps up under load, the
+    way an iteration's time is measured (a mean); the best of `windows` such windows, so that a
+    slow spell of the machine during one does not lower the reference (and raise the fraction).
+    On a shared VM the two differ: single calls catch the fastest moments, a stream of them pays
+    for the slow ones as a training run does. Never above the burst rate."""
     gemms, flops = phase_gemms(shape, m, backward, dtype)
     best = [[float("inf")] * len(impls) for impls in gemms]
     runs, began = 0, time.perf_counter()
@@ -231,13 +237,15 @@ def gemm_rates(shape: object, m: int, backward: bool, dtype: torch.dtype, repeat
                 times[i] = min(times[i], time.perf_counter() - start)
         runs += 1
     fastest = [impls[times.index(min(times))] for impls, times in zip(gemms, best)]
-    passes, began = 0, time.perf_counter()
-    while passes == 0 or time.perf_counter() - began < sustained_seconds:
-        for gemm in fastest:
-            gemm()
-        passes += 1
-    sustained = passes * flops / (time.perf_counter() - began)
-    return flops / sum(min(times) for times in best), sustained
+    burst, sustained = flops / sum(min(times) for times in best), 0.0
+    for _ in range(windows):
+        passes, began = 0, time.perf_counter()
+        while passes == 0 or time.perf_counter() - began < window_seconds:
+            for gemm in fastest:
+                gemm()
+            passes += 1
+        sustained = max(sustained, passes * flops / (time.perf_counter() - began))
+    return burst, min(sustained, burst)
 
 
 def matmul_rates(model: Path, args: argparse.Namespace, prompts_per_iteration: int) -> dict[str, dict[str, float]]:
@@ -351,6 +359,11 @@ def main() -> None:
     ours = median_run(ours_runs, "completions_per_s")
     bound = compute_bound(ours, {kind: {phase: max(r[kind][phase] for r in rates) for phase in rates[0][kind]}
                                  for kind in rates[0]})
+    bound["reference_slow_spell"] = bound["burst_ceiling"] < SLOW_SPELL_CEILING
+    if bound["reference_slow_spell"]:
+        print(f"bench_ppo: warning: burst_ceiling {bound['burst_ceiling']} < {SLOW_SPELL_CEILING}: the sustained matmul "
+              "references ran in a slow spell of the machine and overstate compute_bound_fraction; rerun with "
+              "--repeats 3", file=sys.stderr)
     result = {
         "estimator": args.advantage_estimator, **ours, **bound,
         **kv_cache_reads(Path(ours["model"]), args, ours, bound["compute_bound_fraction"]),

@@ -105,7 +105,8 @@ at::Tensor pack_panels(const at::Tensor& w_t) {
           std::memcpy(panel_dst + k * kPanelColumns, panel_src + k * row_stride, cols * sizeof(float));
       } else {
         for (int64_t c = 0; c < cols; ++c)
-          for (int64_t k = 0; k < in; ++k) panel_dst[k * kPanelColumns + c] = panel_src[c * col_stride + k * row_stride];
+          for (int64_t k = 0; k < in; ++k)
+            panel_dst[k * kPanelColumns + c] = panel_src[c * col_stride + k * row_stride];
       }
     }
   });

@@ -466,6 +466,11 @@ class FastLlamaDecoder:
         gate, up = self._linear_t(h, w.w_gate_up_t, w.b_gate_up).chunk(2, dim=-1)
         return self.linear(self.act(gate) * up, w.w_down, w.b_down)
 
+    def _check_room(self, steps: int) -> None:
+        """RuntimeError unless the cache has room for `steps` more positions."""
+        if self.length + steps > self.max_len:
+            raise RuntimeError(f"KV cache overflow: writing up to position {self.length + steps} of {self.max_len}")
+
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] at positions [B, T] after the cached ones -> [B, V] logits of the last.
 
@@ -475,8 +480,7 @@ class FastLlamaDecoder:
         skips ~20% of its matmuls): nothing else reaches the logits.
         """
         batch, steps = tokens.shape
-        if self.length + steps > self.max_len:
-            raise RuntimeError(f"KV cache overflow: writing up to position {self.length + steps} of {self.max_len}")
+        self._check_room(steps)
         # Prefill through the fused layer ops where the model runs them (a boolean [B, 1, T, T] mask).
         fused = self.fused_prefill and self.length == 0 and steps > 1 and mask.dtype == torch.bool and mask.dim() == 4
         if fused:
@@ -547,8 +551,7 @@ class FastLlamaDecoder:
             self.length += 1
             return logits
         if self.wants_cuda_graph:
-            if self.length + 1 > self.max_len:
-                raise RuntimeError(f"KV cache overflow: writing up to position {self.length + 1} of {self.max_len}")
+            self._check_room(1)
             if self._graph is None:
                 self._graph = DecodeGraph(self._static_decode, tokens.shape[0], self.max_len, tokens.device)
             logits = self._graph.step(tokens, attention_mask, position_ids, self.length)

@@ -194,6 +194,16 @@ def run_ours(args: argparse.Namespace) -> dict:
     }
 
 
+def model_shape(model: Path, args: argparse.Namespace) -> tuple[object, torch.dtype]:
+    """The policy's matmul sizes (engine/flops.py's TransformerShape) and the run's dtype."""
+    from transformers import AutoConfig
+
+    from rlhf.engine.flops import TransformerShape
+
+    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
+    return shape, {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
+
+
 def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tuple[list[list], int]:
     """One layer's linears plus the LM head on m rows, as nn.Linear runs them (x @ W^T); with
     backward also the input and weight gradients (dY @ W, dY^T @ X). Per GEMM its implementations:
@@ -203,7 +213,8 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
 
     onednn = onednn_available() and dtype == torch.float32
     gemms: list[list] = []
-    for d_in, d_out in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]:
+    linears = [*shape.linear_shapes(), (shape.hidden, shape.vocab)]
+    for d_in, d_out in linears:
         x, w, dy = torch.randn(m, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype), torch.randn(m, d_out, dtype=dtype)
         gemms.append([lambda x=x, w=w: torch.nn.functional.linear(x, w)]
                      + [lambda x=x, w=w: _onednn_linear(x, w, None)] * onednn)
@@ -211,7 +222,7 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
             gemms.append([lambda dy=dy, w=w: dy @ w] + [lambda dy=dy, w=w: _onednn_linear(dy, w.t(), None)] * onednn)
             gemms.append([lambda dy=dy, x=x: dy.t() @ x]
                          + [lambda dy=dy, x=x: _onednn_linear(dy.t(), x.t(), None)] * onednn)
-    flops = sum(2 * m * a * b for a, b in [*shape.linear_shapes(), (shape.hidden, shape.vocab)]) * (3 if backward else 1)
+    flops = sum(2 * m * a * b for a, b in linears) * (3 if backward else 1)
     return gemms, flops
 
 
@@ -253,12 +264,7 @@ def matmul_rates(model: Path, args: argparse.Namespace, prompts_per_iteration: i
     ({"burst": {phase: rate}, "sustained": {...}}, gemm_rates): prefill (the unique prompts'
     tokens), decode (one row per sample), experience/reward forwards and training
     forward+backward (a micro-batch of prompt + response tokens)."""
-    from transformers import AutoConfig
-
-    from rlhf.engine.flops import TransformerShape
-
-    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
+    shape, dtype = model_shape(model, args)
     micro_tokens = min(args.micro_batch_size, args.batch) * (args.prompt_len + args.new_tokens)
     rows = {"prefill": (prompts_per_iteration * args.prompt_len, False), "decode": (args.batch, False),
             "forward": (micro_tokens, False), "training": (micro_tokens, True)}
@@ -284,14 +290,16 @@ def compute_bound(ours: dict, rates: dict[str, dict[str, float]]) -> dict:
     but matmuls at the rate torch keeps up at these shapes). `compute_bound_fraction_vs_burst`:
     the same against the burst rates (each GEMM's fastest single call), and
     `burst_ceiling`: what a run of nothing but those GEMMs at the sustained rate scores against
-    the burst rates, the most the vs-burst figure can reach on this machine now."""
+    the burst rates, the most the vs-burst figure can reach on this machine now
+    (`reference_slow_spell` below SLOW_SPELL_CEILING)."""
     ideal, burst = ideal_seconds(ours, rates["sustained"]), ideal_seconds(ours, rates["burst"])
-    measured = sum(ours[k] for k in ideal)
+    measured, ceiling = sum(ours[k] for k in ideal), sum(burst.values()) / sum(ideal.values())
     return {
         "compute_bound_fraction": round(sum(ideal.values()) / measured, 3),
         "phase_fractions": {k.removesuffix("_s"): round(v / ours[k], 3) if ours[k] else None for k, v in ideal.items()},
         "compute_bound_fraction_vs_burst": round(sum(burst.values()) / measured, 3),
-        "burst_ceiling": round(sum(burst.values()) / sum(ideal.values()), 3),
+        "burst_ceiling": round(ceiling, 3),
+        "reference_slow_spell": ceiling < SLOW_SPELL_CEILING,
         "matmul_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates["sustained"].items()},
         "matmul_burst_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates["burst"].items()},
         "iteration_gflop": round(sum(ours[f"{k}_gflop"] for k in ("prefill", "decode", "reward", "experience",
@@ -307,12 +315,7 @@ def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_frac
     The bandwidth is a sustained read (a second) of a buffer the size of what a mean step reads,
     its cache and the weights: a step's working set, which on a small CPU outgrows the last-level
     cache (a cache-sized buffer read alone would credit the reads at cache speed)."""
-    from transformers import AutoConfig
-
-    from rlhf.engine.flops import TransformerShape
-
-    shape = TransformerShape.from_config(AutoConfig.from_pretrained(model))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
+    shape, dtype = model_shape(model, args)
     element = torch.finfo(dtype).bits // 8
     position_bytes = shape.layers * 2 * shape.kv_dim * element
     steps = max(round(ours["response_tokens_mean"]) - 1, 0)
@@ -359,7 +362,6 @@ def main() -> None:
     ours = median_run(ours_runs, "completions_per_s")
     bound = compute_bound(ours, {kind: {phase: max(r[kind][phase] for r in rates) for phase in rates[0][kind]}
                                  for kind in rates[0]})
-    bound["reference_slow_spell"] = bound["burst_ceiling"] < SLOW_SPELL_CEILING
     if bound["reference_slow_spell"]:
         print(f"bench_ppo: warning: burst_ceiling {bound['burst_ceiling']} < {SLOW_SPELL_CEILING}: the sustained matmul "
               "references ran in a slow spell of the machine and overstate compute_bound_fraction; rerun with "

@@ -50,8 +50,14 @@ from rlhf.engine.cpu_matmul import linear as onednn_linear
 from rlhf.engine.decode_graph import DecodeGraph, StaticDecodeInputs, cuda_graph_decode_requested
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
+from rlhf.engine.sampling import KVCacheDtype
+from rlhf.logging import get_logger
 
-__all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "rms_norm", "apply_rope", "signed_sin"]
+__all__ = ["FastLlamaDecoder", "fast_decode_unsupported_reason", "kv_cache_torch_dtype", "rms_norm", "apply_rope",
+           "signed_sin"]
+
+log = get_logger(__name__)
+_logged_cache_notes: set[str] = set()  # kv_cache_torch_dtype's notes, each logged once
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 # Rope types whose frequencies depend on the sequence length seen so far (HF's dynamic_rope_update):
@@ -202,6 +208,19 @@ def _activation(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 # -- the decoder --------------------------------------------------------------------------------
 
 
+def kv_cache_torch_dtype(choice: KVCacheDtype, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The fast decoder's cache dtype for SamplingParams.kv_cache_dtype: "fp16" halves a float32
+    model's cache on the CPU (the fused step's kernels widen it as they read); elsewhere (a 16-bit
+    model, a GPU) the cache stays in the model's dtype, which is logged once."""
+    if choice == "auto" or (model_dtype == torch.float32 and device.type == "cpu"):
+        return model_dtype if choice == "auto" else torch.float16
+    reason = f"kv_cache_dtype fp16 applies to float32 models on the CPU; this one is {model_dtype} on {device.type}"
+    if reason not in _logged_cache_notes:
+        _logged_cache_notes.add(reason)
+        log.info("fast decoder: %s, so its KV cache stays in the model's dtype", reason)
+    return model_dtype
+
+
 class FastLlamaDecoder:
     """Prefill and decode steps of one rollout of `batch` sequences up to `max_len` tokens.
 
@@ -234,7 +253,7 @@ class FastLlamaDecoder:
         self, model: nn.Module, batch: int, max_len: int,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
         attention_kernel: bool | Literal["auto"] = "auto", packed_gemm: bool | Literal["auto"] = "auto",
-        cuda_graph: bool | Literal["auto"] = "auto",
+        cuda_graph: bool | Literal["auto"] = "auto", kv_cache_dtype: KVCacheDtype = "auto",
     ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:
@@ -276,8 +295,9 @@ class FastLlamaDecoder:
 
         # Left uninitialised: a step reads only the prefix that earlier steps have written.
         shape = (batch, self.num_kv_heads, max_len, self.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype, device)
+        self.keys = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in self.layers]
+        self.values = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in self.layers]
         self.length = 0  # tokens written so far (a host int: no step reads a device value)
         self.max_len = max_len
         self._kernel_step = self._build_kernel_step(cpu_kernel, kernel_isa) if cpu_kernel is not False else None
@@ -294,6 +314,8 @@ class FastLlamaDecoder:
     def _wants_attention_kernel(self, batch: int) -> bool:
         """Whether decode steps over `batch` rows go through `kernels.decode_attention`."""
         choice = self._attention_kernel
+        if self.cache_dtype != self.embed.dtype:  # the kernel reads a cache of the model's dtype
+            return False
         return choice is True or (
             choice == "auto" and decode_attention_kernel_unsupported_reason(
                 self.embed.device, self.embed.dtype, self.head_dim, batch) is None
@@ -394,7 +416,7 @@ class FastLlamaDecoder:
         end = self.length + steps
         keys.narrow(2, self.length, steps).copy_(new_keys)
         values.narrow(2, self.length, steps).copy_(new_values)
-        k, v = keys.narrow(2, 0, end), values.narrow(2, 0, end)
+        k, v = self._cached(keys.narrow(2, 0, end)), self._cached(values.narrow(2, 0, end))
         groups = heads // kv_heads
         if mask.dim() == 2:
             # The kernel reads the cache buffer in place, only at the positions the mask allows.
@@ -445,9 +467,16 @@ class FastLlamaDecoder:
         v = v.transpose(1, 2)  # the kernels read it through its strides
         self.keys[layer].narrow(2, self.length, steps).copy_(k)
         self.values[layer].narrow(2, self.length, steps).copy_(v)
+        if self.cache_dtype != k.dtype:  # attend over the keys and values as the cache holds them
+            k = self._cached(self.keys[layer].narrow(2, self.length, steps))
+            v = self._cached(self.values[layer].narrow(2, self.length, steps))
         out = fused_layers.attention(q, k, v, mask, self.scaling)  # [B, T, H, D]
         out = out[:, -1] if last_only else out
         return self.linear(out.reshape(-1, heads * head_dim), w.wo, w.bo)
+
+    def _cached(self, t: torch.Tensor) -> torch.Tensor:
+        """Cached keys or values in the model's dtype (a 16-bit cache of a float32 model widened)."""
+        return t if t.dtype == self.embed.dtype else t.to(self.embed.dtype)
 
     def _linear_t(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight_t (+ bias) as `_linear_t`, through oneDNN where this decoder's linears take it."""

@@ -46,7 +46,7 @@ from transformers import PretrainedConfig
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.sampling import SamplingParams, sample_next_token, sampler_path
+from rlhf.engine.sampling import KVCacheDtype, SamplingParams, sample_next_token, sampler_path
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
@@ -164,17 +164,20 @@ class HFForwardRunner:
 _logged_fallbacks: set[str] = set()
 
 
-def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Literal["auto"] = "auto") -> StepRunner:
+def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Literal["auto"] = "auto",
+                  kv_cache_dtype: KVCacheDtype = "auto") -> StepRunner:
     """The fast decoder where it supports `model` (and `fast` allows it), else the HF forward.
 
     fast=True insists on the fast path (ValueError naming the reason when it cannot run);
     "auto" falls back to the HF forward, logging the reason once per distinct reason.
+    `kv_cache_dtype` is the fast decoder's (SamplingParams.kv_cache_dtype); the HF forward keeps
+    its own cache in the model's dtype.
     """
     if fast is False:
         return HFForwardRunner(model, max_len)
     reason = fast_decode_unsupported_reason(model)
     if reason is None:
-        return FastLlamaDecoder(model, batch, max_len)
+        return FastLlamaDecoder(model, batch, max_len, kv_cache_dtype=kv_cache_dtype)
     if fast is True:
         raise ValueError(f"generate(fast=True): the fast decoder cannot run this model: {reason}")
     if reason not in _logged_fallbacks:
@@ -329,7 +332,7 @@ def generate(
                           _tp_size(param))
     # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
     prompt_positions = position_ids_from_mask(attention_mask)
-    runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast)
+    runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast, params.kv_cache_dtype)
     logits = runner.prefill(input_ids, attention_mask, prompt_positions)
     if index is not None:
         # Group sampling: each unique prompt's cache rows and last logits become its samples' rows.

@@ -16,6 +16,9 @@ from typing import Literal
 
 import torch
 
+KVCacheDtype = Literal["auto", "fp16"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,6 +47,10 @@ class SamplingParams:
     """At those checks, once a quarter of the rows still decoded have finished (EOS), drop them
     from the decode batch (their KV cache rows too): the rest decode on fewer rows, drawing the
     tokens they would have drawn."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """The fast decoder's KV cache: "auto" in the model's dtype; "fp16" keeps a float32 model's keys
+    and values in float16 on the CPU (rounded as they are written, widened as they are read): half
+    the cache's memory and of the bytes each decode step reads (engine/fast_decode.py)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,6 +65,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.sync_every < 0:
             raise ValueError(f"SamplingParams.sync_every must be >= 0, got {self.sync_every}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"SamplingParams.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @property
     def eos_token_ids(self) -> list[int]:

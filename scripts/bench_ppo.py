@@ -95,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                         help="rlhf ppo --no-fused-layers: Hugging Face's own RMSNorm/RoPE/SwiGLU/attention modules")
     parser.add_argument("--cpu-matmul", default="auto", help="rlhf ppo --cpu-matmul: auto, aten or onednn")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp16"),
+                        help="rlhf ppo --kv-cache-dtype: fp16 halves a float32 model's rollout KV cache on the CPU")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
                         "figures are each side's median run, every run's rate listed under `repeats`")
     args = parser.parse_args()
@@ -169,6 +171,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
         *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
         "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--cpu-matmul", args.cpu_matmul,
+        "--kv-cache-dtype", args.kv_cache_dtype,
         *([] if args.pack_sequences else ["--no-pack-sequences"]),
         *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
@@ -317,7 +320,8 @@ def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_frac
     cache (a cache-sized buffer read alone would credit the reads at cache speed)."""
     shape, dtype = model_shape(model, args)
     element = torch.finfo(dtype).bits // 8
-    position_bytes = shape.layers * 2 * shape.kv_dim * element
+    cached = 2 if args.kv_cache_dtype == "fp16" and dtype == torch.float32 else element  # bytes a cached value takes
+    position_bytes = shape.layers * 2 * shape.kv_dim * cached
     steps = max(round(ours["response_tokens_mean"]) - 1, 0)
     positions = steps * args.prompt_len + steps * (steps + 1) // 2  # step t reads prompt + t positions
     read_bytes = args.batch * positions * position_bytes
@@ -370,7 +374,8 @@ def main() -> None:
         "estimator": args.advantage_estimator, **ours, **bound,
         **kv_cache_reads(Path(ours["model"]), args, ours, bound["compute_bound_fraction"]),
         "shape": {"batch": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
-                  "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1},
+                  "group": args.samples_per_prompt if args.advantage_estimator != "gae" else 1,
+                  "kv_cache_dtype": args.kv_cache_dtype},
     }
     if args.repeats > 1:
         result["repeats"] = {"completions_per_s": [r["completions_per_s"] for r in ours_runs],

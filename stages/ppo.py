@@ -275,6 +275,7 @@ class PPOTrainer:
             max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, do_sample=not config.greedy,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.last_metrics: dict[str, float] = {}
         self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/memory.py)
@@ -282,7 +283,9 @@ class PPOTrainer:
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
         self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
-                                      else default_parity_tolerance(self.actor.dtype))
+                                      else default_parity_tolerance(self.actor.dtype, config.kv_cache_dtype))
+        self.parity_tolerance = (config.rollout_parity_tolerance if config.rollout_parity_tolerance is not None
+                                 else default_parity_tolerance(self.actor.dtype, config.kv_cache_dtype))
         self.old_logprob_drift = LogprobDrift()
         self.ran_old_logprob_forward = False
         self.optimizer_steps_this_iteration = 0
@@ -438,7 +441,7 @@ class PPOTrainer:
             derive_seed(self.seed, purpose[0], *purpose[1:], self.tp.group_index))
         repeats = torch.tensor(counts, dtype=torch.long, device=self.ctx.device)
         check = round_index == 0 and (iteration == self.start_iteration or iteration % self.config.rollout_parity_every == 0)
-        with rollout_mode(self.actor, self.tp.size, self.config.rollout_parity_tolerance, check) as rollout:
+        with rollout_mode(self.actor, self.tp.size, self.parity_tolerance, check) as rollout:
             out = rollout.generate(ids.to(self.ctx.device), mask.to(self.ctx.device), self.sampling, gen,
                                    samples_per_prompt=repeats)
             rollout_metrics = dict(rollout.metrics)

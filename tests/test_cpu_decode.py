@@ -115,6 +115,46 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
                     torch.testing.assert_close(g[:, :, : 7 + steps], w[:, :, : 7 + steps], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", ["llama-gqa", "llama-mha-biases"])
+def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, shape: str) -> None:
+    """kv_cache_dtype="fp16": every kernel set rounds this step's key and value into the float16
+    cache and attends over the cache as it holds them, as the Python step does; both stay within
+    a float16 rounding of the float32 cache's logits. head_dim 12 (llama-mha-biases): the scalar
+    tail of the conversions."""
+    model = _model(*SHAPES[shape])
+    ids, mask, positions = _prompts(batch=5, width=7)
+    steps = 9
+    tokens = torch.randint(3, VOCAB, (5, steps), generator=torch.Generator().manual_seed(3))
+    exact = _run_steps(FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False), ids, mask, positions, tokens)
+    reference = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False, kv_cache_dtype="fp16")
+    assert reference.cache_dtype == torch.float16 and reference.keys[0].dtype == torch.float16
+    want = _run_steps(reference, ids, mask, positions, tokens)
+    scale = max(float(w.abs().max()) for w in want)
+    for w, e in zip(want, exact):  # a float16 rounding of keys and values, no more
+        assert 0 < float((w - e).abs().max()) < 2e-3 * scale
+    for isa in op.supported_isas():
+        fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
+                                 kv_cache_dtype="fp16")
+        got = _run_steps(fused, ids, mask, positions, tokens)
+        for step, (g, w) in enumerate(zip(got, want)):
+            # A key one float32 ulp apart may round to a neighbouring float16: 1e-5, not 2e-6.
+            torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
+        for layer in range(len(model.model.layers)):
+            for cache in ("keys", "values"):
+                g = getattr(fused, cache)[layer][:, :, : 7 + steps]
+                w = getattr(reference, cache)[layer][:, :, : 7 + steps]
+                assert g.dtype == torch.float16
+                torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=1e-3)  # one float16 ulp
+
+
+def test_fp16_kv_cache_is_for_float32_models_on_the_cpu() -> None:
+    model = _model(*SHAPES["llama-gqa"]).to(torch.bfloat16)
+    decoder = FastLlamaDecoder(model, 2, 8, kv_cache_dtype="fp16")
+    assert decoder.cache_dtype == torch.bfloat16  # a 16-bit model's cache is already 16-bit
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        SamplingParams(max_new_tokens=4, pad_token_id=0, kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("layout", ["column-major", "row-major", "column slice"])
 def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op, layout: str) -> None:
     # The [in, out] views the step packs: a [out, in] weight's .t(), a transposed copy, and gate's

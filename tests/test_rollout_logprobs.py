@@ -78,6 +78,17 @@ def test_ppo_takes_generation_logprobs_and_logs_their_drift(tiny_model_dirs, pro
         assert a["kl"] == pytest.approx(b["kl"], abs=1e-5)
 
 
+def test_fp16_kv_cache_rollouts_take_their_own_logprobs_within_the_looser_tolerance(tiny_model_dirs, prompts,
+                                                                                     tmp_path) -> None:
+    """--kv-cache-dtype fp16: generation's log-probs (of the policy that sampled, over the rounded
+    cache) are PPO's old log-probs; their drift from the float32 training forward shows, below
+    the 0.05 default tolerance, so nothing is recomputed."""
+    rows = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "ppo", "--kv-cache-dtype", "fp16")
+    assert [r["old_logprobs_recomputed"] for r in rows] == [0.0, 0.0]
+    for row in rows:
+        assert 0 < row["old_logprob_diff_max"] < 0.05
+
+
 def test_drift_beyond_the_tolerance_switches_to_recomputing(tiny_model_dirs, prompts, tmp_path) -> None:
     rows = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "ppo", "--old-logprob-tolerance", "0")
     if rows[0]["old_logprob_diff_max"] == 0:

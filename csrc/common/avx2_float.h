@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #define RLHF_AVX2_FN static inline __attribute__((target("avx2,fma")))
+#define RLHF_AVX2_F16C_FN static inline __attribute__((target("avx2,fma,f16c")))
 
 namespace rlhf {
 
@@ -24,6 +25,13 @@ struct Avx2Float {
   RLHF_AVX2_FN T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   RLHF_AVX2_FN T div(T a, T b) { return _mm256_div_ps(a, b); }
   RLHF_AVX2_FN T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  // IEEE half <-> float (F16C: every AVX2 CPU has it; cpu_has_avx2() checks), round to nearest even.
+  RLHF_AVX2_F16C_FN T load_half(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  RLHF_AVX2_F16C_FN void store_half(uint16_t* p, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
 };
 
 // Avx2Float plus the reductions and exp the row kernels (CPU decode step, fused layer ops) use:

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include "half_float.h"
 
 namespace rlhf {
 
@@ -19,6 +20,8 @@ struct ScalarVec {
   static inline T mul(T a, T b) { return a * b; }
   static inline T div(T a, T b) { return a / b; }
   static inline T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
+  static inline T load_half(const uint16_t* p) { return half_to_float(*p); }
+  static inline void store_half(uint16_t* p, T x) { *p = float_to_half(x); }
   static inline T max(T a, T b) { return a > b ? a : b; }
   static inline float hmax(T a) { return a; }
   static inline float hsum(T a) { return a; }

@@ -65,6 +65,15 @@ void check_weight(const at::Tensor& t, const char* name, at::IntArrayRef shape) 
   TORCH_CHECK(t.is_contiguous(), "rlhf_cpu_decode: ", name, " must be contiguous");
 }
 
+// A KV cache buffer: float32 or float16 (--kv-cache-dtype fp16), CPU, contiguous, like the first layer's.
+void check_cache(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && (dtype == at::kFloat || dtype == at::kHalf) &&
+                  t.scalar_type() == dtype,
+              "rlhf_cpu_decode: ", name, " caches must be float32 or float16 CPU tensors, all of one dtype");
+  TORCH_CHECK(t.sizes() == shape, "rlhf_cpu_decode: ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.is_contiguous(), "rlhf_cpu_decode: ", name, " must be contiguous");
+}
+
 // An empty tensor stands for "no bias".
 at::Tensor optional_bias(const at::Tensor& t, const char* name, int64_t size) {
   if (!t.defined() || t.numel() == 0) return at::Tensor();
@@ -161,9 +170,10 @@ class LlamaDecodeStep {
     cache_len_ = k0.size(2);
     head_dim_ = k0.size(3);
     TORCH_CHECK(head_dim_ % 2 == 0, "rlhf_cpu_decode: head_dim must be even (RoPE)");
+    half_cache_ = k0.scalar_type() == at::kHalf;
     for (int64_t l = 0; l < num_layers; ++l) {
-      check_weight(keys[l], "keys", k0.sizes());
-      check_weight(values[l], "values", k0.sizes());
+      check_cache(keys[l], "keys", k0.sizes(), k0.scalar_type());
+      check_cache(values[l], "values", k0.sizes(), k0.scalar_type());
     }
     keys_ = keys;
     values_ = values;
@@ -270,11 +280,12 @@ class LlamaDecodeStep {
       for_column_chunks(qkv_.size(1), [&](int64_t c0, int64_t c1) {
         project(normed(w.input_norm, w.input_eps), w.qkv, qkv_, c0, c1, false);
       });
-      args.keys = keys_[l].data_ptr<float>();
-      args.values = values_[l].data_ptr<float>();
+      args.keys = keys_[l].data_ptr();
+      args.values = values_[l].data_ptr();
+      const auto attention = half_cache_ ? kernels_.attention_half : kernels_.attention;
       at::parallel_for(0, batch_ * kv_heads_, 1, [&](int64_t begin, int64_t end) {
         float* scratch = thread_scratch(scratch_floats);
-        kernels_.attention(args, begin, end, scratch);
+        attention(args, begin, end, scratch);
       });
       for_column_chunks(hidden_, [&](int64_t c0, int64_t c1) { project(attn_, w.o, x_, c0, c1, true); });
       for_column_chunks(ffn_, [&](int64_t c0, int64_t c1) {
@@ -380,6 +391,7 @@ class LlamaDecodeStep {
   float norm_eps_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> keys_, values_;
+  bool half_cache_ = false;  // the KV cache holds fp16 (attention_half), else float32
   at::Tensor x_, qkv_, attn_, gate_up_, gate_, up_, act_;
   at::Tensor thread_h_;                             // [threads, batch, hidden]
   std::vector<std::vector<float>> thread_scratch_;  // attention scratch per thread

@@ -18,8 +18,8 @@ struct AttentionArgs {
   const int64_t* positions;   // [batch] position of this step's token
   const uint8_t* visible;     // [batch, visible_stride]: nonzero = key visible, keys [0, length]
   int64_t visible_stride;
-  float* keys;                // [batch, kv_heads, cache_len, head_dim] cache, written at `length`
-  float* values;              // same layout
+  void* keys;                 // [batch, kv_heads, cache_len, head_dim] cache (float, or half bits where
+  void* values;               // the cache is fp16: attention_half), written at `length`; values alike
   float* out;                 // [batch, heads * head_dim]
   int64_t heads, kv_heads, head_dim, cache_len;
   int64_t length;             // tokens cached before this step
@@ -29,7 +29,7 @@ struct AttentionArgs {
 // Floats of scratch one attention task needs.
 inline int64_t attention_scratch_floats(const AttentionArgs& a) {
   const int64_t groups = a.heads / a.kv_heads;
-  return groups * (a.head_dim + a.length + 1);
+  return groups * (a.head_dim + a.length + 1) + a.head_dim;
 }
 
 // Columns of one panel of a packed weight: [panels, in, kPanelColumns] holds columns
@@ -59,6 +59,9 @@ struct Kernels {
   // key and queries, key and value written to the cache at `length`, then attention of the
   // kv head's query heads over visible keys [0, length]. `scratch`: attention_scratch_floats().
   void (*attention)(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch);
+  // The same over an fp16 cache (IEEE half bits): keys and values widened to float as they are read,
+  // this step's rounded to nearest as they are written.
+  void (*attention_half)(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch);
   // One draw from softmax(logits / temperature) by inverse CDF with uniform u in [0, 1): the
   // first token whose running mass exceeds u * total, else the last token of positive mass
   // (engine/sampling.py's sample_from_logits contract). `mass`: vocab floats of scratch.

@@ -6,16 +6,17 @@
 #include <cstring>
 
 #include "../common/avx2_float.h"
+#include "../common/half_float.h"
 #include "cpu_decode.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 
 namespace rlhf_decode::avx2 {
@@ -31,7 +32,8 @@ const Kernels& avx2_kernels() {
   static const Kernels kernels{
       &avx2::rms_norm_rows<avx2::Avx2>,
       &avx2::silu_mul_rows<avx2::Avx2>,
-      &avx2::attention_tasks<avx2::Avx2>,
+      &avx2::attention_tasks<avx2::Avx2, float>,
+      &avx2::attention_tasks<avx2::Avx2, uint16_t>,
       &avx2::sample_row<avx2::Avx2>,
       &avx2::panel_gemm<avx2::Avx2>,
   };

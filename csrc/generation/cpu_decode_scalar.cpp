@@ -19,7 +19,8 @@ const Kernels& scalar_kernels() {
   static const Kernels kernels{
       &scalar::rms_norm_rows<scalar::Scalar>,
       &scalar::silu_mul_rows<scalar::Scalar>,
-      &scalar::attention_tasks<scalar::Scalar>,
+      &scalar::attention_tasks<scalar::Scalar, float>,
+      &scalar::attention_tasks<scalar::Scalar, uint16_t>,
       &scalar::sample_row<scalar::Scalar>,
       &scalar::panel_gemm<scalar::Scalar>,
   };

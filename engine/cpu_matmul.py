@@ -31,8 +31,8 @@ from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "onednn_available", "resolve_cpu_matmul",
-    "use_onednn_linears", "uses_onednn_linears",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
+    "resolve_cpu_matmul", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -89,18 +89,45 @@ class _OneDnnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
-            grad_x = (_onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight).view(
-                *grad.shape[:-1], weight.shape[1])
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_rows.t() @ rows
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_rows.sum(0)
-        return grad_x, grad_weight, grad_bias
+        return _linear_grads(ctx, grad)
+
+
+def _linear_grads(ctx: torch.autograd.function.FunctionCtx,
+                  grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The input, weight and bias gradients of x @ weight^T + bias (ctx saved x's rows and the
+    weight): the input gradient through oneDNN where its depth (out features) is enough, the
+    weight gradient (faster on MKL) through torch's matmul."""
+    rows, weight = ctx.saved_tensors
+    grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+    grad_x = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
+        grad_x = (_onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight).view(
+            *grad.shape[:-1], weight.shape[1])
+    if ctx.needs_input_grad[1]:
+        grad_weight = grad_rows.t() @ rows
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad_rows.sum(0)
+    return grad_x, grad_weight, grad_bias
+
+
+class _OneDnnLinearAdd(torch.autograd.Function):
+    """x @ weight^T (+ bias) + residual with the add in oneDNN's GEMM epilogue (the residual
+    stream's add of a decoder layer's output and down projections: no pass of its own); the
+    residual's gradient is the output's, as the add's would be."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        other = residual.reshape(-1, weight.shape[0]).contiguous()
+        return torch.ops.mkldnn._linear_pointwise.binary(rows, other, weight, bias, "add").view(residual.shape)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return *_linear_grads(ctx, grad), grad
 
 
 def _dense_matrix(weight: torch.Tensor) -> bool:
@@ -114,13 +141,46 @@ def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
                              and type(t) in (torch.Tensor, nn.Parameter)) for t in tensors)
 
 
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """oneDNN runs x @ weight^T (+ bias): enough rows and depth, a dense weight, plain float32 CPU tensors."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return (rows >= ONEDNN_MIN_ROWS and _dense_matrix(weight) and weight.shape[1] >= ONEDNN_MIN_DEPTH
+            and (bias is None or bias.is_contiguous()) and _plain_cpu_float32(x, weight, bias))
+
+
+def linear_add(x: torch.Tensor, linear_module: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    """linear_module(x) + residual, the add in oneDNN's GEMM epilogue where the module is a
+    OneDnnLinear that oneDNN takes x for and the residual is a plain float32 CPU tensor of the
+    output's shape; the same sum either way (the add is exact, only the GEMM rounds)."""
+    weight, bias = getattr(linear_module, "weight", None), getattr(linear_module, "bias", None)
+    if (isinstance(linear_module, OneDnnLinearMixin) and _onednn_takes(x, weight, bias)
+            and _plain_cpu_float32(residual) and residual.shape == (*x.shape[:-1], weight.shape[0])):
+        return _OneDnnLinearAdd.apply(x, weight, bias, residual)
+    return residual + linear_module(x)
+
+
+def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor | None:
+    """silu(gate(x)) * up(x) with the activation and the product in oneDNN's GEMM epilogues (swish
+    on the gate's output, then the up projection's output times it, each while its tile is in
+    registers): no pass of their own over the [rows, ffn] activations. For forwards without
+    autograd (reward, reference and value scoring) where both are OneDnnLinear modules that
+    oneDNN takes; None otherwise. oneDNN's swish rounds differently from torch's silu (~1 ulp)."""
+    if torch.is_grad_enabled() or not (isinstance(gate, OneDnnLinearMixin) and isinstance(up, OneDnnLinearMixin)):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if not (_onednn_takes(rows, gate.weight, gate.bias) and _onednn_takes(rows, up.weight, up.bias)):
+        return None
+    rows = rows.contiguous()
+    activated = torch.ops.mkldnn._linear_pointwise(rows, gate.weight, gate.bias, "swish", [], "")
+    out = torch.ops.mkldnn._linear_pointwise.binary(rows, activated, up.weight, up.bias, "mul")
+    return out.view(*x.shape[:-1], up.weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for float32 plain tensors on the CPU with at least `ONEDNN_MIN_ROWS`
     rows and `ONEDNN_MIN_DEPTH` input features (its input gradient: output features), the weight
     stored row- or column-major."""
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (rows >= ONEDNN_MIN_ROWS and _dense_matrix(weight) and weight.shape[1] >= ONEDNN_MIN_DEPTH
-            and (bias is None or bias.is_contiguous()) and _plain_cpu_float32(x, weight, bias)):
+    if _onednn_takes(x, weight, bias):
         return _OneDnnLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -12,6 +12,11 @@ kernels (causal: only the visible half of the scores), for float32 on the CPU. E
 Hugging Face's code op for op, so a model computes the same thing either way
 (tests/test_fused_layers.py).
 
+Where the linears run oneDNN (engine/cpu_matmul.py), two more passes go: the decoder layer's
+residual adds run in the output and down projections' GEMM epilogues (`linear_add`), and a
+forward without autograd takes SiLU(gate) * up from the gate and up projections' epilogues
+(`swiglu_linears`).
+
 The swap changes each module's class to a subclass that overrides `forward` (as FSDP2 does), so
 parameters, state-dict names, deepcopies and LoRA wrapping are untouched. Attention through a KV
 cache, with dropout or with another implementation than SDPA (eager, flash) goes to the model's
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
+from rlhf.engine.cpu_matmul import linear_add, swiglu_linears
 from rlhf.engine.ops import OpSpec, load_op, register_op
 
 __all__ = [
@@ -54,6 +60,7 @@ FUSED_LAYER_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
+DECODER_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"})
 
 
 # ----------------------------------------------------------------------- references (the truth)
@@ -307,8 +314,13 @@ class FusedMLPMixin(nn.Module):
     up_proj: nn.Module
     down_proj: nn.Module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), overwrite_saved=True))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus `residual` where given (FusedDecoderLayerMixin: the add then runs
+        in the down projection's GEMM epilogue)."""
+        hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: in oneDNN's epilogues
+        if hidden is None:
+            hidden = swiglu(self.gate_proj(x), self.up_proj(x), overwrite_saved=True)
+        return self.down_proj(hidden) if residual is None else linear_add(hidden, self.down_proj, residual)
 
 
 class FusedAttentionMixin(nn.Module):
@@ -328,13 +340,17 @@ class FusedAttentionMixin(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                residual: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the attention output, plus `residual` where given: FusedDecoderLayerMixin's residual
+        stream, added in the output projection's GEMM epilogue; the weights or None)."""
         # The KV cache: the fourth argument, `cache` since transformers 5.2x (`past_key_values` before).
         for name in ("cache", "past_key_values", "past_key_value"):
             if past_key_values is None:
                 past_key_values = kwargs.pop(name, None)
         if position_embeddings is None:
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            output, weights = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                              **kwargs)
+            return (output if residual is None else residual + output), weights
         input_shape = hidden_states.shape[:-1]
         cos, sin = position_embeddings
         query = self.q_proj(hidden_states)
@@ -349,7 +365,7 @@ class FusedAttentionMixin(nn.Module):
         op = _rope_attention_op(query, key, value, cos, sin, attention_mask) if fusable else None
         if op is not None:  # RoPE inside the attention kernels: the projections' rows go in as they are
             output = _fused_rope_attention(query, key, value, cos, sin, attention_mask, self.scaling, op)
-            return self.o_proj(output.reshape(*input_shape, -1)), None
+            return self._project(output.reshape(*input_shape, -1), residual), None
         query = rope(query, cos, sin, query.shape[-1] // self.head_dim)
         key = rope(key, cos, sin, key.shape[-1] // self.head_dim)
         if past_key_values is not None:
@@ -362,7 +378,10 @@ class FusedAttentionMixin(nn.Module):
                 self.config._attn_implementation, family.eager_attention_forward)
             output, weights = interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
                                         **self._family_attention_kwargs(), **kwargs)
-        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+        return self._project(output.reshape(*input_shape, -1).contiguous(), residual), weights
+
+    def _project(self, output: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.o_proj(output) if residual is None else linear_add(output, self.o_proj, residual)
 
     def _family_attention_kwargs(self) -> dict[str, Any]:
         """What the family's forward passes besides Llama's (Qwen2 / Mistral: the sliding window)."""
@@ -372,6 +391,25 @@ class FusedAttentionMixin(nn.Module):
         if name == "MistralAttention":
             return {"sliding_window": getattr(self.config, "sliding_window", None)}
         return {}
+
+
+class FusedDecoderLayerMixin(nn.Module):
+    """A Llama-family decoder layer whose two residual adds run in the output and down projections'
+    GEMM epilogues (cpu_matmul.linear_add: oneDNN's post-op add where those are OneDnnLinear
+    modules, else the add as Hugging Face writes it): two passes over the hidden states fewer per
+    layer. Layers whose attention or MLP were not swapped run their own forward."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or not (isinstance(self.self_attn, FusedAttentionMixin) and isinstance(self.mlp, FusedMLPMixin)):
+            return super().forward(hidden_states, *args, **kwargs)
+        kwargs.pop("hidden_states", None)
+        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), residual=hidden_states, **kwargs)
+        return self.mlp(self.post_attention_layernorm(hidden_states), residual=hidden_states)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -395,6 +433,8 @@ def _mixin_for(module: nn.Module) -> type | None:
         return FusedMLPMixin
     if cls.__name__ in ATTENTION_CLASSES:
         return FusedAttentionMixin
+    if cls.__name__ in DECODER_LAYER_CLASSES:
+        return FusedDecoderLayerMixin
     return None
 
 

@@ -92,6 +92,31 @@ def test_swapped_model_matches_and_keeps_its_parameters() -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()), msg=name)
 
 
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_inference_swiglu_runs_in_the_gemm_epilogues_and_matches(bias: bool) -> None:
+    """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from oneDNN's epilogues
+    (swish, then the product) and matches torch's ops to rounding; with autograd, or a plain
+    nn.Linear, or too few rows, there is no such path (None: the caller's own)."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up = nn.Linear(256, 344, bias=bias), nn.Linear(256, 344, bias=bias)
+    with torch.no_grad():
+        for p in (*gate.parameters(), *up.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) / 16)
+    plain_gate, plain_up = copy.deepcopy(gate), copy.deepcopy(up)
+    for m in (gate, up):
+        m.__class__ = cpu_matmul._onednn_class(nn.Linear)
+    x = 2 * torch.randn(3, 40, 256, generator=gen)
+    want = F.silu(plain_gate(x)) * plain_up(x)
+    with torch.no_grad():
+        got = cpu_matmul.swiglu_linears(x, gate, up)
+        assert got is not None and got.shape == (3, 40, 344)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert cpu_matmul.swiglu_linears(x, plain_gate, plain_up) is None
+        assert cpu_matmul.swiglu_linears(x[:, :1], gate, up) is None  # 3 rows: MKL's
+    assert cpu_matmul.swiglu_linears(x, gate, up) is None  # autograd on: the fused SwiGLU's backward
+
+
 def test_resolve_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: oneDNN on an AMD CPU whose torch has it, torch's matmul elsewhere; onednn without it is an error."""
     assert resolve_cpu_matmul("aten") == "aten"

@@ -14,6 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf.engine import cpu_matmul
+from rlhf.engine import fused_layers as fused_layers_module
+from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
 from rlhf.engine.fsdp import enable_activation_checkpointing
 from rlhf.engine.fused_layers import (
     FUSED_LAYERS_OP,
@@ -316,7 +319,7 @@ def test_fused_model_matches_hugging_face(op, family: str) -> None:
     padding (per-row positions); the KV-cache path (prefill + one step) gives the same logits."""
     model = _model(family)
     fused = copy.deepcopy(model)
-    assert fuse_layer_ops(fused) == 2 * 4 + 1  # per layer: 2 norms, MLP, attention; the final norm
+    assert fuse_layer_ops(fused) == 2 * 5 + 1  # per layer: 2 norms, MLP, attention, the layer; the final norm
     assert fuse_layer_ops(fused) == 0  # already swapped
     assert list(fused.state_dict()) == list(model.state_dict())
     ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(3))
@@ -339,6 +342,48 @@ def test_fused_model_matches_hugging_face(op, family: str) -> None:
                      position_ids=position_ids[:, -1:] + 1, **cache_argument(m, returned_cache(out)), use_cache=True)
             steps.append(step.logits)
     _close(steps[1], steps[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+def test_epilogue_fusions_of_onednn_linears_match_hugging_face(op) -> None:
+    """With oneDNN linears (hidden 256: deep enough for them) the decoder layers' residual adds run
+    in the output and down projections' epilogues, and without autograd SiLU(gate) * up in the
+    gate and up projections' too: logits, with and without autograd, and every gradient match the
+    original model's up to rounding."""
+    config = tiny_config("llama", vocab_size=VOCAB, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                         intermediate_size=344)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    fused = copy.deepcopy(model)
+    fuse_layer_ops(fused)
+    use_onednn_linears(fused)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    calls = {"add": 0, "swiglu": 0}
+    real_add, real_swiglu = cpu_matmul._OneDnnLinearAdd.apply, cpu_matmul.swiglu_linears
+
+    def counting_add(*args):
+        calls["add"] += 1
+        return real_add(*args)
+
+    def counting_swiglu(*args):
+        out = real_swiglu(*args)
+        calls["swiglu"] += out is not None
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_matmul._OneDnnLinearAdd, "apply", counting_add)
+        patch.setattr(fused_layers_module, "swiglu_linears", counting_swiglu)
+        for m in (model, fused):
+            m(input_ids=ids, use_cache=False).logits.log_softmax(-1)[..., :7].sum().backward()
+        assert calls == {"add": 2 * 2, "swiglu": 0}  # two adds per layer; autograd: the fused SwiGLU
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits
+            got = fused(input_ids=ids, use_cache=False).logits
+        assert calls == {"add": 2 * 2 * 2, "swiglu": 2}
+    _close(got, want, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        _close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()))
 
 
 def test_tied_embeddings_and_other_families(op) -> None:

@@ -162,10 +162,13 @@ def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model
 
 
 @needs_onednn
-def test_fast_decoder_prefills_through_onednn_where_the_model_does() -> None:
+def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
-    (its decode steps' 4 rows stay on torch's matmul); logits equal the plain model's decoder's."""
+    (its decode steps' 4 rows stay on torch's matmul), and with fused layers too SiLU(gate) * up
+    in the gate and up products' epilogues; logits equal the plain model's decoder's."""
+    from rlhf.engine import fast_decode
     from rlhf.engine.fast_decode import FastLlamaDecoder
+    from rlhf.engine.fused_layers import fuse_layer_ops
 
     config = tiny_config("llama", vocab_size=300, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
                          intermediate_size=320)
@@ -173,15 +176,27 @@ def test_fast_decoder_prefills_through_onednn_where_the_model_does() -> None:
     model = AutoModelForCausalLM.from_config(config).float().eval()
     swapped = copy.deepcopy(model)
     use_onednn_linears(swapped)
+    fused = copy.deepcopy(swapped)
+    fuse_layer_ops(fused)
+    epilogues = []
+
+    def counted(*args):
+        out = cpu_matmul.swiglu_in_epilogues(*args)
+        epilogues.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_decode, "swiglu_in_epilogues", counted)
     ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     logits = []
-    for m in (model, swapped):
+    for m in (model, swapped, fused):
         decoder = FastLlamaDecoder(m, 4, 50, cpu_kernel=False)
         assert (decoder.linear is F.linear) == (m is model)
         first = decoder.prefill(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
         step = decoder.decode(first.argmax(-1, keepdim=True), torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
                               mask.sum(-1, keepdim=True))
         logits.append(torch.stack([first, step]))
+    assert epilogues == [True, True]  # the fused model's prefill, one per layer
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[2], logits[0], rtol=1e-4, atol=1e-5)

@@ -161,7 +161,7 @@ def linear_add(x: torch.Tensor, linear_module: nn.Module, residual: torch.Tensor
 
 def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor | None:
     """silu(gate(x)) * up(x) through `swiglu_in_epilogues` where both are OneDnnLinear modules;
-    None otherwise (and under autograd)."""
+    None otherwise (and where autograd records: their parameters or x need gradients)."""
     if not (isinstance(gate, OneDnnLinearMixin) and isinstance(up, OneDnnLinearMixin)):
         return None
     return swiglu_in_epilogues(x, gate.weight, gate.bias, up.weight, up.bias)
@@ -172,12 +172,14 @@ def swiglu_in_epilogues(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: t
     """silu(x @ gate_weight^T + gate_bias) * (x @ up_weight^T + up_bias) with the activation and the
     product in oneDNN's GEMM epilogues (swish on the gate's output, then the up projection's output
     times it, each while its tile is in registers): no pass of their own over the [rows, ffn]
-    activations, 13-22% off the three at 4096-10240 rows x 256 -> 688. For forwards without
-    autograd (reward, reference and value scoring, a rollout's prefill) where oneDNN takes both;
+    activations, 13-22% off the three at 4096-10240 rows x 256 -> 688. For forwards autograd does
+    not record (reward, reference and value scoring, a rollout's prefill) where oneDNN takes both;
     None otherwise. oneDNN's swish rounds differently from torch's silu (~1 ulp)."""
     rows = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() or not (_onednn_takes(rows, gate_weight, gate_bias)
-                                       and _onednn_takes(rows, up_weight, up_bias)):
+    tensors = (x, gate_weight, gate_bias, up_weight, up_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None  # no backward through the epilogues: the fused SwiGLU's has what it needs
+    if not (_onednn_takes(rows, gate_weight, gate_bias) and _onednn_takes(rows, up_weight, up_bias)):
         return None
     rows = rows.contiguous()
     activated = torch.ops.mkldnn._linear_pointwise(rows, gate_weight, gate_bias, "swish", [], "")

@@ -182,7 +182,9 @@ def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Liter
         raise ValueError(f"generate(fast=True): the fast decoder cannot run this model: {reason}")
     if reason not in _logged_fallbacks:
         _logged_fallbacks.add(reason)
-        log.info("generate: using the Hugging Face forward (no fast decoder: %s)", reason)
+        log.info("generate: using the Hugging Face forward (no fast decoder: %s)%s", reason,
+                 "; its KV cache stays in the model's dtype (kv_cache_dtype fp16 is the fast decoder's)"
+                 if kv_cache_dtype != "auto" else "")
     return HFForwardRunner(model, max_len)
 
 

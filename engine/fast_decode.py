@@ -213,8 +213,10 @@ def kv_cache_torch_dtype(choice: KVCacheDtype, model_dtype: torch.dtype, device:
     """The fast decoder's cache dtype for SamplingParams.kv_cache_dtype: "fp16" halves a float32
     model's cache on the CPU (the fused step's kernels widen it as they read); elsewhere (a 16-bit
     model, a GPU) the cache stays in the model's dtype, which is logged once."""
-    if choice == "auto" or (model_dtype == torch.float32 and device.type == "cpu"):
-        return model_dtype if choice == "auto" else torch.float16
+    if choice == "auto":
+        return model_dtype
+    if model_dtype == torch.float32 and device.type == "cpu":
+        return torch.float16
     reason = f"kv_cache_dtype fp16 applies to float32 models on the CPU; this one is {model_dtype} on {device.type}"
     if reason not in _logged_cache_notes:
         _logged_cache_notes.add(reason)

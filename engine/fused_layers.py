@@ -407,7 +407,6 @@ class FusedDecoderLayerMixin(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or not (isinstance(self.self_attn, FusedAttentionMixin) and isinstance(self.mlp, FusedMLPMixin)):
             return super().forward(hidden_states, *args, **kwargs)
-        kwargs.pop("hidden_states", None)
         hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), residual=hidden_states, **kwargs)
         return self.mlp(self.post_attention_layernorm(hidden_states), residual=hidden_states)
 

@@ -256,6 +256,9 @@ def cpu_decode(module: ModuleType, device: torch.device) -> str:
     reference = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False)
     want = run(reference)
     scale = max(float(w.abs().max()) for w in want)
+    # The float16 cache (kv_cache_dtype="fp16"): the Python step over that cache is its reference.
+    want_half = run(FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False,
+                                     kv_cache_dtype="fp16"))
     for isa in module.supported_isas():
         for packed in (False, True):
             fused = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False)
@@ -267,13 +270,10 @@ def cpu_decode(module: ModuleType, device: torch.device) -> str:
                 worst.close(f"{name} layer {layer} keys", fused.keys[layer], reference.keys[layer], rtol=1e-5, atol=1e-5)
                 worst.close(f"{name} layer {layer} values", fused.values[layer], reference.values[layer],
                             rtol=1e-5, atol=1e-5)
-        # The float16 cache (kv_cache_dtype="fp16") against the Python step over the same cache.
-        half_reference = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False,
-                                          kv_cache_dtype="fp16")
         half = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, attention_kernel=False,
                                 kv_cache_dtype="fp16")
         half.use_kernel_step(module, isa, packed_gemm=True)
-        for step, (g, w) in enumerate(zip(run(half), run(half_reference))):
+        for step, (g, w) in enumerate(zip(run(half), want_half)):
             worst.close(f"cpu decode isa={isa} fp16 cache step {step} logits", g, w, rtol=0.0, atol=1e-4 * scale)
         logits = 3 * torch.randn(64, 101, generator=gen)
         u = torch.rand(64, generator=gen)

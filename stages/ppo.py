@@ -282,10 +282,11 @@ class PPOTrainer:
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
+        default_tolerance = default_parity_tolerance(self.actor.dtype, config.kv_cache_dtype)
         self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
-                                      else default_parity_tolerance(self.actor.dtype, config.kv_cache_dtype))
+                                      else default_tolerance)
         self.parity_tolerance = (config.rollout_parity_tolerance if config.rollout_parity_tolerance is not None
-                                 else default_parity_tolerance(self.actor.dtype, config.kv_cache_dtype))
+                                 else default_tolerance)
         self.old_logprob_drift = LogprobDrift()
         self.ran_old_logprob_forward = False
         self.optimizer_steps_this_iteration = 0

@@ -5,7 +5,8 @@ PyTorch ops (norms, RoPE, cache writes, attention over one query, activation, re
 each a dispatch plus a pass over tiny tensors. The `rlhf_cpu_decode` op runs the whole step
 in one call: per layer four matmuls through ATen/MKL or, over weights packed once per rollout,
 its own panel GEMM (the output and down projections add into the residual stream in place)
-and three kernels of its own (AVX2 + FMA where the CPU has them, else portable C++) on
+and three kernels of its own (AVX2 + FMA where the CPU has them, else portable C++; on AVX-512
+CPUs the packed projections run 16-float registers: the "avx512" kernel set) on
 torch's intra-op threads: RMSNorm, SiLU(gate) * up, and one pass per (sequence, KV head)
 that applies RoPE, writes the new key and value into the cache and attends over the visible
 keys.
@@ -35,6 +36,7 @@ CPU_DECODE_OP = OpSpec(
         "generation/cpu_decode.cpp",
         "generation/cpu_decode_scalar.cpp",
         "generation/cpu_decode_avx2.cpp",
+        "generation/cpu_decode_avx512.cpp",
     ),
     # at::parallel_for is inline OpenMP code: without -fopenmp it would run on one thread.
     # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.

@@ -234,7 +234,7 @@ class FastLlamaDecoder:
     Decode steps run the fused CPU op (engine/cpu_decode.py) where it can run this model:
     `cpu_kernel` "auto" uses it when it is supported and builds, True insists (ValueError
     naming the reason otherwise), False keeps the Python step (the reference). `kernel_isa`
-    says which kernels the op uses ("avx2", "scalar"; None: the Python step). `packed_gemm`:
+    says which kernels the op uses ("avx512", "avx2", "scalar"; None: the Python step). `packed_gemm`:
     the op's projections run over weights packed once per rollout (16-column panels) instead of
     MKL, which repacks each weight on every step; "auto" where the model's linears left MKL for
     oneDNN (--cpu-matmul: auto on AMD CPUs, where MKL runs AVX2 kernels and repacking is ~40% of

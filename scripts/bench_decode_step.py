@@ -2,15 +2,17 @@
 
 engine/cpu_decode.py's step runs a layer's four projections through ATen (MKL) or, with
 `packed_gemm`, over weights packed once per rollout in 16-column panels by its own kernel (MKL
-repacks each weight on every call of a decode step's few rows). Both decoders run the same
-prompts and feed the same tokens (the MKL side's greedy choices) for --new steps, alternated
---repeats times; the figures are medians of the mean time per decode step.
+repacks each weight on every call of a decode step's few rows); the packed side runs once per
+kernel set this CPU has (avx2; avx512: the same with the panel GEMM on 16-float registers). All
+decoders run the same prompts and feed the same tokens (the MKL side's greedy choices) for --new
+steps, alternated --repeats times; the figures are medians of the mean time per decode step.
 
     python scripts/bench_decode_step.py                          # tiny Llama (4 layers, hidden 256)
     python scripts/bench_decode_step.py --model runs/smollm2 --new 16 --repeats 3   # a model folder
 
-The last line is one JSON object: mkl_ms_per_step, packed_ms_per_step, their ratio, each run's
-figures and the largest logit difference between the two.
+The last line is one JSON object: mkl_ms_per_step, packed_ms_per_step (the widest kernel set's),
+their ratio, packed_ms_per_step_by_isa and ratio_avx2_vs_widest, each run's figures and the
+largest logit difference from the MKL side.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf.engine.cpu_decode import load_cpu_decode_op
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.models.tiny import tiny_config
 
@@ -48,11 +51,11 @@ def build_model(path: str | None) -> PreTrainedModel:
 
 @torch.no_grad()
 def run(model: PreTrainedModel, packed: bool, args: argparse.Namespace, tokens: torch.Tensor,
-        ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+        ids: torch.Tensor, isa: str = "auto") -> tuple[float, torch.Tensor]:
     """(seconds per decode step, logits of every step) of one decoder over `tokens` [B, new]."""
     batch, prompt = ids.shape
-    decoder = FastLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed)
-    assert decoder.packed_gemm == packed
+    decoder = FastLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed, kernel_isa=isa)
+    assert decoder.packed_gemm == packed and (isa == "auto" or decoder.kernel_isa == isa)
     mask = torch.ones(batch, prompt + args.new, dtype=torch.long)
     decoder.prefill(ids, mask[:, :prompt], torch.arange(prompt).expand(batch, prompt))
     logits = []
@@ -70,19 +73,24 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen)
     _, reference = run(model, False, args, torch.randint(0, vocab, (args.batch, args.new), generator=gen), ids)
-    tokens = reference.argmax(-1).t()  # the same tokens for both sides: the first run's greedy choices
-    seconds: dict[bool, list[float]] = {False: [], True: []}
+    tokens = reference.argmax(-1).t()  # the same tokens for every side: the first run's greedy choices
+    isas = [isa for isa in load_cpu_decode_op().supported_isas() if isa != "scalar"]
+    sides = {"mkl": (False, "auto"), **{f"packed_{isa}": (True, isa) for isa in isas}}
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     logits = {}
     for _ in range(args.repeats):
-        for packed in (False, True):
-            step, logits[packed] = run(model, packed, args, tokens, ids)
-            seconds[packed].append(step)
-    mkl, packed = statistics.median(seconds[False]), statistics.median(seconds[True])
+        for side, (packed, isa) in sides.items():
+            step, logits[side] = run(model, packed, args, tokens, ids, isa)
+            seconds[side].append(step)
+    ms = {side: statistics.median(runs) * 1e3 for side, runs in seconds.items()}
+    widest = f"packed_{isas[-1]}"
     print(json.dumps({
-        "mkl_ms_per_step": round(mkl * 1e3, 3), "packed_ms_per_step": round(packed * 1e3, 3),
-        "ratio": round(mkl / packed, 3), "runs_ms": {side: [round(s * 1e3, 3) for s in seconds[key]]
-                                                     for side, key in (("mkl", False), ("packed", True))},
-        "max_logit_diff": float((logits[True] - logits[False]).abs().max()),
+        "mkl_ms_per_step": round(ms["mkl"], 3), "packed_ms_per_step": round(ms[widest], 3),
+        "ratio": round(ms["mkl"] / ms[widest], 3),
+        "packed_ms_per_step_by_isa": {isa: round(ms[f"packed_{isa}"], 3) for isa in isas},
+        "ratio_avx2_vs_widest": round(ms["packed_avx2"] / ms[widest], 3) if "avx2" in isas else None,
+        "runs_ms": {side: [round(s * 1e3, 3) for s in runs] for side, runs in seconds.items()},
+        "max_logit_diff": max(float((logits[side] - logits["mkl"]).abs().max()) for side in sides),
         "shape": {"batch": args.batch, "prompt": args.prompt, "new": args.new, "model": args.model or "tiny llama"},
         "threads": torch.get_num_threads(),
     }))

@@ -115,6 +115,28 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
                     torch.testing.assert_close(g[:, :, : 7 + steps], w[:, :, : 7 + steps], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [3, 8, 11, 17])
+def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
+    """The avx512 kernel set is avx2's with the packed projections on 16-float registers (8-row
+    blocks, then a tail of 1-7 rows): every output is the same multiply-add chain over k in order,
+    so the logits and caches are equal to the bit."""
+    if "avx512" not in op.supported_isas():
+        pytest.skip("this CPU has no AVX-512F")
+    model = _model(*SHAPES["llama-mha-biases"])
+    ids, mask, positions = _prompts(batch=batch, width=7)
+    steps = 5
+    tokens = torch.randint(3, VOCAB, (batch, steps), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for isa in ("avx2", "avx512"):
+        decoder = FastLlamaDecoder(model, batch, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True)
+        assert decoder.kernel_isa == isa and decoder.packed_gemm
+        runs[isa] = (_run_steps(decoder, ids, mask, positions, tokens), decoder.keys, decoder.values)
+    for step, (a, b) in enumerate(zip(runs["avx2"][0][1:], runs["avx512"][0][1:])):  # [0]: the Python prefill
+        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+    for a, b in zip(runs["avx2"][1] + runs["avx2"][2], runs["avx512"][1] + runs["avx512"][2]):
+        assert torch.equal(a[:, :, : 7 + steps], b[:, :, : 7 + steps])
+
+
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-mha-biases"])
 def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, shape: str) -> None:
     """kv_cache_dtype="fp16": every kernel set rounds this step's key and value into the float16

@@ -44,11 +44,16 @@ constexpr int64_t kTensorsPerLayer = 10;
 std::vector<std::string> supported_isas() {
   std::vector<std::string> isas{"scalar"};
   if (rlhf::cpu_has_avx2()) isas.emplace_back("avx2");
+  if (rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512()) isas.emplace_back("avx512");
   return isas;
 }
 
 const Kernels& resolve_isa(const std::string& requested, std::string& chosen) {
   chosen = requested == "auto" ? supported_isas().back() : requested;
+  if (chosen == "avx512") {
+    TORCH_CHECK(rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512(), "rlhf_cpu_decode: this CPU has no AVX-512F");
+    return avx512_kernels();
+  }
   if (chosen == "avx2") {
     TORCH_CHECK(rlhf::cpu_has_avx2(), "rlhf_cpu_decode: this CPU has no AVX2/FMA");
     return avx2_kernels();
@@ -516,7 +521,7 @@ at::Tensor sample_record(const at::Tensor& logits, const at::Tensor& uniform, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using rlhf_decode::LlamaDecodeStep;
-  m.doc() = "Whole-model float32 decode step of Llama-family models on the CPU (AVX2 / scalar kernels + MKL "
+  m.doc() = "Whole-model float32 decode step of Llama-family models on the CPU (AVX-512 / AVX2 / scalar kernels + MKL "
             "or packed-weight GEMMs)";
   py::class_<LlamaDecodeStep>(m, "LlamaDecodeStep")
       .def(py::init<const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<double>&, const at::Tensor&,
@@ -546,5 +551,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One generation step's sampling and bookkeeping (engine/generation.py's loop body): tokens drawn "
         "for the decoded rows, their log-probs, sequences / action_mask / token_logprobs column `col` and "
         "`finished` updated in place -> the decoded rows' tokens [n, 1].");
-  m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2).");
+  m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

@@ -72,6 +72,7 @@ struct Kernels {
 };
 
 const Kernels& scalar_kernels();
-const Kernels& avx2_kernels();  // only on x86-64 CPUs with AVX2 + FMA
+const Kernels& avx2_kernels();    // only on x86-64 CPUs with AVX2 + FMA
+const Kernels& avx512_kernels();  // AVX2's with an AVX-512 panel GEMM: only with AVX2 and AVX-512F
 
 }  // namespace rlhf_decode

@@ -193,7 +193,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "critic_s": round(statistics.mean(r.get("critic_s", 0.0) for r in rows), 3),
         "response_tokens_mean": round(statistics.mean(r["response_length"] for r in rows), 1),
         "old_logprob_diff_max": max((r.get("old_logprob_diff_max", 0.0) for r in rows), default=0.0),
-        "iterations_timed": len(rows), "vocab": len(tokenizer), "model": str(actor),
+        "iterations_timed": len(rows), "vocab": len(tokenizer), "model": str(actor), "workdir": str(root),
     }
 
 
@@ -354,10 +354,21 @@ def median_run(runs: list[dict], key: str) -> dict:
 
 def main() -> None:
     args = parse_args()
+    workdirs: list[str] = []
+    try:
+        bench(args, workdirs)
+    finally:  # the runs' prompts and tiny models; the rest went as each run ended
+        for workdir in workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def bench(args: argparse.Namespace, workdirs: list[str]) -> None:
+    """The repeats, alternated with the peer's; prints the JSON line. `workdirs` gets each run's folder."""
     prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
     ours_runs, peer_runs, rates = [], [], []
     for _ in range(args.repeats):  # alternated, so a slow spell of the machine hits both sides alike
         ours_runs.append(run_ours(args))
+        workdirs.append(ours_runs[-1].pop("workdir"))
         # The matmul references after each of our runs, each phase's fastest the one used: a slow
         # spell during one measurement must not lower a reference (and raise the fraction).
         rates.append(matmul_rates(Path(ours_runs[-1]["model"]), args, prompts_per_iteration))

@@ -551,5 +551,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One generation step's sampling and bookkeeping (engine/generation.py's loop body): tokens drawn "
         "for the decoded rows, their log-probs, sequences / action_mask / token_logprobs column `col` and "
         "`finished` updated in place -> the decoded rows' tokens [n, 1].");
-  m.def("supported_isas", &rlhf_decode::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
+  m.def("supported_isas", &rlhf_decode::supported_isas,
+        "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

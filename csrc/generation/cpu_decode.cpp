@@ -41,17 +41,24 @@ namespace {
 // layout without repacking it), the others as the model holds them ([out, in]).
 constexpr int64_t kTensorsPerLayer = 10;
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> isas{"scalar"};
-  if (rlhf::cpu_has_avx2()) isas.emplace_back("avx2");
-  if (rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512()) isas.emplace_back("avx512");
+// The avx512 set is avx2's with an AVX-512 panel GEMM: it needs both.
+bool cpu_has_avx512_set() { return rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512(); }
+
+// Probed once: resolve_isa runs on every sampling call ("auto").
+const std::vector<std::string>& supported_isas() {
+  static const std::vector<std::string> isas = [] {
+    std::vector<std::string> found{"scalar"};
+    if (rlhf::cpu_has_avx2()) found.emplace_back("avx2");
+    if (cpu_has_avx512_set()) found.emplace_back("avx512");
+    return found;
+  }();
   return isas;
 }
 
 const Kernels& resolve_isa(const std::string& requested, std::string& chosen) {
   chosen = requested == "auto" ? supported_isas().back() : requested;
   if (chosen == "avx512") {
-    TORCH_CHECK(rlhf::cpu_has_avx2() && rlhf::cpu_has_avx512(), "rlhf_cpu_decode: this CPU has no AVX-512F");
+    TORCH_CHECK(cpu_has_avx512_set(), "rlhf_cpu_decode: this CPU has no AVX-512F");
     return avx512_kernels();
   }
   if (chosen == "avx2") {

@@ -8,7 +8,7 @@ AVX2 code path ("zen" kernels) even where the CPU has AVX-512, and oneDNN's JIT-
 kernels (the same library torch ships for its mkldnn ops) are faster at the shapes training runs:
 measured on a 2-core AMD EPYC (Zen 4), 4096 rows x hidden 256 / 688, median of 5 alternated runs:
 forward 1.02-1.16x, input gradient 1.15-1.29x, weight gradient 0.71-1.01x (slower: it stays on
-MKL), and at a decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a
+MKL there; on Zen 5 it takes oneDNN too, over a transposed operand: `weight_grad`), and at a decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a
 whole forward + backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
 `scripts/bench_matmul.py` measures both, per GEMM and per training step.
 
@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.engine.layer_op import transposed
 from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
-    "resolve_cpu_matmul", "swiglu_in_epilogues", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears",
+    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "swiglu_in_epilogues",
+    "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -75,8 +77,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class _OneDnnLinear(torch.autograd.Function):
-    """F.linear with the forward and the input gradient through oneDNN, the weight gradient
-    (faster on MKL) through torch's matmul."""
+    """F.linear with the forward and the input gradient through oneDNN, the weight gradient as
+    `weight_grad` takes it (MKL, or oneDNN on Zen 5)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
@@ -92,11 +94,42 @@ class _OneDnnLinear(torch.autograd.Function):
         return _linear_grads(ctx, grad)
 
 
+@cache
+def onednn_weight_grad() -> bool:
+    """Whether a linear's weight gradient takes oneDNN as well (`weight_grad`): on AMD CPUs of
+    family 0x1A and later (Zen 5, whose AVX-512 FMAs are full width), where oneDNN's kernels run
+    at twice MKL's AVX2 rate. Measured on a 2-core AMD EPYC (Zen 5), 4096 rows: MKL 186-216
+    GFLOP/s, oneDNN with the transposed operand 272-409 (1.4-1.9x) at the tiny Llama's and
+    SmolLM2's shapes. On Zen 4 (AVX-512 in two halves) it was 0.71-1.01x MKL without the
+    transpose, so there the weight gradient stays on MKL."""
+    family = cpuinfo_field("cpu family")
+    return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A
+
+
+def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dY^T X [out, in], the weight gradient of a linear from its output gradient's rows dY [n, out]
+    and its input's rows X [n, in] (both contiguous): through MKL, or where `onednn_weight_grad`
+    says so (and from ONEDNN_MIN_ROWS rows) through `onednn_weight_grad_transposed`."""
+    if not onednn_weight_grad() or grad_rows.shape[0] < ONEDNN_MIN_ROWS:
+        return grad_rows.t() @ rows
+    return onednn_weight_grad_transposed(grad_rows, rows)
+
+
+def onednn_weight_grad_transposed(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dY^T X through oneDNN, whose kernels read a strided source (dY^T seen transposed) at about
+    half their rate: the narrower of dY and X is transposed first (engine/layer_op.py's
+    register-tiled transpose) so that oneDNN's source is contiguous; when that is X (out >= 2 in),
+    the [in, out] product is transposed back."""
+    if grad_rows.shape[1] >= 2 * rows.shape[1]:
+        return transposed(_onednn_linear(transposed(rows), grad_rows.t(), None))
+    return _onednn_linear(transposed(grad_rows), rows.t(), None)
+
+
 def _linear_grads(ctx: torch.autograd.function.FunctionCtx,
                   grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The input, weight and bias gradients of x @ weight^T + bias (ctx saved x's rows and the
     weight): the input gradient through oneDNN where its depth (out features) is enough, the
-    weight gradient (faster on MKL) through torch's matmul."""
+    weight gradient as `weight_grad` takes it."""
     rows, weight = ctx.saved_tensors
     grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
     grad_x = grad_weight = grad_bias = None
@@ -105,7 +138,7 @@ def _linear_grads(ctx: torch.autograd.function.FunctionCtx,
         grad_x = (_onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight).view(
             *grad.shape[:-1], weight.shape[1])
     if ctx.needs_input_grad[1]:
-        grad_weight = grad_rows.t() @ rows
+        grad_weight = weight_grad(grad_rows, rows)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = grad_rows.sum(0)
     return grad_x, grad_weight, grad_bias

@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from rlhf.engine.cpu_matmul import linear_add, swiglu_linears
-from rlhf.engine.ops import OpSpec, load_op, register_op
+from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "rms_norm",
@@ -44,16 +44,6 @@ __all__ = [
     "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
 ]
 
-FUSED_LAYERS_OP = OpSpec(
-    "rlhf_fused_layers",
-    sources=("layers/fused_layers.cpp", "layers/fused_layers_scalar.cpp", "layers/fused_layers_avx2.cpp",
-             "layers/fused_layers_avx512.cpp"),
-    # at::parallel_for is inline OpenMP code: without -fopenmp it would run on one thread.
-    # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.
-    extra_cflags=("-fopenmp", "-ffp-contract=off"),
-    extra_ldflags=("-fopenmp",),
-)
-register_op(FUSED_LAYERS_OP)
 
 FUSED_LAYER_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 """Model types (config.model_type) whose layers `fuse_layer_ops` swaps."""
@@ -105,17 +95,6 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 # ----------------------------------------------------------------------- fused autograd functions
-
-def _cpu_float32(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def _op(*tensors: torch.Tensor) -> ModuleType | None:
-    """The built op where every tensor is float32 on the CPU, else None (the reference runs)."""
-    if not _cpu_float32(*tensors) or torch.compiler.is_compiling():
-        return None
-    return load_op(FUSED_LAYERS_OP.name)
-
 
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
@@ -236,7 +215,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
               scale: float) -> torch.Tensor:
     """attention_reference, fused where it can be. A query that sees no key gets zeros (and no
     gradient) from the kernels; such rows only occur at padding, whose outputs nothing reads."""
-    op = _op(query, key, value) if fused_attention_applies(query, key, mask) else None
+    op = layer_op(query, key, value) if fused_attention_applies(query, key, mask) else None
     if op is None:
         return attention_reference(query, key, value, mask, scale)
     return _FusedAttention.apply(query, key, value, None if mask is None else mask.contiguous(), scale, op)
@@ -253,7 +232,7 @@ def _rope_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         and cos.shape == sin.shape and cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (seq, head_dim))
     if not (shapes and not (cos.requires_grad or sin.requires_grad) and _attention_shapes_apply(batch, seq, seq, mask)):
         return None
-    return _op(query, key, value, cos, sin)
+    return layer_op(query, key, value, cos, sin)
 
 
 def _fused_rope_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
@@ -281,21 +260,21 @@ def rope_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference, fused where it can be."""
-    op = _op(x, weight)
+    op = layer_op(x, weight)
     return rms_norm_reference(x, weight, eps) if op is None else _FusedRMSNorm.apply(x, weight, eps, op)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite_saved: bool = False) -> torch.Tensor:
     """swiglu_reference, fused where it can be. `overwrite_saved`: gate and up are the caller's
     temporaries, which the backward may overwrite with their gradients (see _FusedSwiGLU)."""
-    op = _op(gate, up) if gate.shape == up.shape else None
+    op = layer_op(gate, up) if gate.shape == up.shape else None
     return swiglu_reference(gate, up) if op is None else _FusedSwiGLU.apply(gate, up, op, overwrite_saved)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
     """rope_reference, fused where it can be (tables that need gradients take the reference)."""
     fusable = x.dim() == 3 and cos.dim() == 3 and not (cos.requires_grad or sin.requires_grad)
-    op = _op(x, cos, sin) if fusable else None
+    op = layer_op(x, cos, sin) if fusable else None
     return rope_reference(x, cos, sin, heads) if op is None else _FusedRoPE.apply(x, cos, sin, heads, op)
 
 
@@ -453,7 +432,7 @@ def fused_attention_runs(model: nn.Module) -> bool:
     """`model`'s attention runs the fused kernels (when a call's mask and shapes let it): its
     layers are swapped (`fuse_layer_ops`) and its weights are float32 on the CPU with the op built."""
     param = next(model.parameters(), None)
-    return uses_fused_layers(model) and param is not None and _op(param) is not None
+    return uses_fused_layers(model) and param is not None and layer_op(param) is not None
 
 
 def uses_fused_layers(model: nn.Module) -> bool:

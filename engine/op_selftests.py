@@ -303,7 +303,7 @@ def _tracked(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def fused_layers(module: ModuleType, device: torch.device) -> str:
     """Every kernel set: RMSNorm (widths off the vector width), SwiGLU, and RoPE of GQA q/k heads
     with one table for the batch and one per row, forward and backward, against the references'
-    values and autograd gradients."""
+    values and autograd gradients; attention; the transpose (exactly)."""
     gen = torch.Generator().manual_seed(0)
     worst = _Worst()
 
@@ -342,6 +342,9 @@ def fused_layers(module: ModuleType, device: torch.device) -> str:
             worst.close(f"rope grad isa={isa} heads={heads}", module.rope_backward(g, cos, sin, isa),
                         _grads(want, g, (xr,))[0], 1e-5, 1e-6)
         _fused_attention(module, isa, rand, worst)
+        for rows, cols in ((37, 21), (48, 32)):  # edges, and whole tiles of every kernel set
+            x = rand(rows, cols)
+            worst.close(f"transpose isa={isa} {rows}x{cols}", module.transpose(x, isa), x.t().contiguous(), 0.0, 0.0)
     return worst.summary()
 
 

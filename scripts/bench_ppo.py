@@ -211,8 +211,8 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
     """One layer's linears plus the LM head on m rows, as nn.Linear runs them (x @ W^T); with
     backward also the input and weight gradients (dY @ W, dY^T @ X). Per GEMM its implementations:
     torch's matmul (MKL) and, where torch has it, oneDNN (which --cpu-matmul onednn runs;
-    engine/cpu_matmul.py). Returns them and the FLOPs of one pass over all GEMMs."""
-    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available
+    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it). Returns them and the FLOPs of one pass over all GEMMs."""
+    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available, onednn_weight_grad_transposed
 
     onednn = onednn_available() and dtype == torch.float32
     gemms: list[list] = []
@@ -224,7 +224,8 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
         if backward:
             gemms.append([lambda dy=dy, w=w: dy @ w] + [lambda dy=dy, w=w: _onednn_linear(dy, w.t(), None)] * onednn)
             gemms.append([lambda dy=dy, x=x: dy.t() @ x]
-                         + [lambda dy=dy, x=x: _onednn_linear(dy.t(), x.t(), None)] * onednn)
+                         + [lambda dy=dy, x=x: _onednn_linear(dy.t(), x.t(), None),
+                            lambda dy=dy, x=x: onednn_weight_grad_transposed(dy, x)] * onednn)
     flops = sum(2 * m * a * b for a, b in linears) * (3 if backward else 1)
     return gemms, flops
 

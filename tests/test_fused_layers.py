@@ -19,11 +19,9 @@ from rlhf.engine import fused_layers as fused_layers_module
 from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
 from rlhf.engine.fsdp import enable_activation_checkpointing
 from rlhf.engine.fused_layers import (
-    FUSED_LAYERS_OP,
     attention,
     attention_reference,
     fuse_layer_ops,
-    load_op,
     rms_norm,
     rms_norm_reference,
     rope,
@@ -33,6 +31,8 @@ from rlhf.engine.fused_layers import (
     swiglu_reference,
 )
 from rlhf.engine.kv_cache import cache_argument, returned_cache
+from rlhf.engine.layer_op import FUSED_LAYERS_OP, transposed
+from rlhf.engine.ops import load_op
 from rlhf.models.tiny import tiny_config
 
 VOCAB = 97
@@ -158,6 +158,20 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
     assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))
     for got, t in zip(op.attention_backward(grad, q, k, v, mask, out, lse, scale, isa), tracked):
         _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 3), (1023, 17), (16, 48), (259, 4099), (1_000_007, 1),
+                                        (1, 1_000_007)])
+def test_transpose_is_torchs_transposed_copy(op, rows: int, cols: int) -> None:
+    """Every kernel set's transpose (whole register tiles, edges, row blocks split across threads)
+    gives x.t().contiguous() exactly, and `transposed` takes the op for plain matrices only."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols))
+    want = x.t().contiguous()
+    for isa in op.supported_isas():
+        got = op.transpose(x, isa)
+        assert got.is_contiguous() and torch.equal(got, want), isa
+    assert torch.equal(transposed(x), want)
+    assert torch.equal(transposed(x.double()), want.double())  # not float32: torch's copy
 
 
 def test_swiglu_backward_over_its_saved_inputs(op) -> None:

@@ -346,12 +346,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return {gq, gk, gv};
 }
 
+// x [rows, cols] -> its transpose [cols, rows], contiguous. The threads take blocks of whole
+// register tiles (16 rows: a multiple of every kernel set's width).
+at::Tensor transpose(const at::Tensor& x, const std::string& isa) {
+  check_float_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, "rlhf_fused_layers: transpose takes a matrix, got ", x.dim(), " dims");
+  const LayerKernels& k = resolve_isa(isa);
+  const int64_t rows = x.size(0), cols = x.size(1), tile = 16;
+  at::Tensor out = at::empty({cols, rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (rows + tile - 1) / tile, std::max<int64_t>(1, grain_rows(cols) / tile), [&](int64_t b, int64_t e) {
+    k.transpose(xp, rows, cols, op, b * tile, std::min(rows, e * tile));
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace rlhf_layers
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace L = rlhf_layers;
-  m.doc() = "Fused RMSNorm / RoPE / SwiGLU forward and backward of Llama-family layers, float32 on the CPU";
+  m.doc() = "Fused RMSNorm / RoPE / SwiGLU / attention forward and backward of Llama-family layers, and a transpose, float32 on the CPU";
   const auto release = py::call_guard<py::gil_scoped_release>();
   m.def("rms_norm_forward", &L::rms_norm_forward, py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("isa") = "auto", "-> (y, rstd)", release);
@@ -378,5 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask"), py::arg("out"), py::arg("stats"), py::arg("scale"), py::arg("isa") = "auto",
         py::arg("spans") = py::none(), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
         "-> (grad_q, grad_k, grad_v), in q's, k's and v's layouts (with RoPE tables: gradients before RoPE)", release);
+  m.def("transpose", &L::transpose, py::arg("x"), py::arg("isa") = "auto",
+        "x [rows, cols] -> x.t().contiguous() [cols, rows]", release);
   m.def("supported_isas", &L::supported_isas, "Kernels this CPU can run, widest last (scalar, avx2, avx512).");
 }

@@ -1,6 +1,7 @@
 // Fused kernels of a Llama-family decoder layer for training and teacher-forced forwards:
-// RMSNorm, rotary position embedding (RoPE), SwiGLU and attention, each forward and backward,
-// one set per ISA (scalar, AVX2, AVX-512). engine/fused_layers.py holds their PyTorch references.
+// RMSNorm, rotary position embedding (RoPE), SwiGLU and attention, each forward and backward, and
+// a matrix transpose (for a linear's weight gradient, engine/cpu_matmul.py), one set per ISA
+// (scalar, AVX2, AVX-512). engine/fused_layers.py holds their PyTorch references.
 //
 // These files hold no torch code: fused_layers.cpp checks the tensors and hands row or element
 // ranges of float32 buffers to these kernels on torch's intra-op threads.
@@ -85,6 +86,8 @@ struct LayerKernels {
   // stats: gq like q, gk and gv like k and v (each task owns its KV head's rows of gk and gv).
   void (*attention_backward)(const AttentionArgs& a, const float* out, const float* stats, const float* gout, float* gq,
                              float* gk, float* gv, int64_t begin, int64_t end);
+  // Rows [begin, end) of x [rows, cols] into out [cols, rows]: out[c * rows + r] = x[r * cols + c].
+  void (*transpose)(const float* x, int64_t rows, int64_t cols, float* out, int64_t begin, int64_t end);
 };
 
 const LayerKernels& scalar_layer_kernels();

@@ -6,11 +6,12 @@ run at a model's linear shapes, per GEMM of a training step, and a whole model's
     python scripts/bench_matmul.py --model runs/smollm2/base --rows 1024 32
 
 Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `weight_grad`
-(dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up.
-Then a tiny model's (or --model's) forward + backward with every linear as `--cpu-matmul onednn`
-runs it (forward and input gradient on oneDNN from ONEDNN_MIN_ROWS rows, weight gradient on MKL)
-against plain nn.Linear. The last line is one JSON object; `resolved_auto` says what
-`--cpu-matmul auto` picks on this machine.
+(dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up;
+the weight gradient also as `onednn_transposed` (oneDNN over a transposed operand, which Zen 5 runs:
+engine/cpu_matmul.py's weight_grad). Then a tiny model's (or --model's) forward + backward with
+every linear as `--cpu-matmul onednn` runs it (forward and input gradient on oneDNN from
+ONEDNN_MIN_ROWS rows, the weight gradient where `weight_grad_on` says) against plain nn.Linear.
+The last line is one JSON object; `resolved_auto` says what `--cpu-matmul auto` picks on this machine.
 """
 
 from __future__ import annotations
@@ -39,21 +40,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict[str, float]]:
-    from rlhf.engine.cpu_matmul import _onednn_linear
+    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_weight_grad_transposed
 
     x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
-    pairs = {
-        "forward": (lambda: F.linear(x, w), lambda: _onednn_linear(x, w, None)),
-        "input_grad": (lambda: dy @ w, lambda: _onednn_linear(dy, w.t(), None)),
-        "weight_grad": (lambda: dy.t() @ x, lambda: _onednn_linear(dy.t(), x.t(), None)),
+    impls = {
+        "forward": {"aten": lambda: F.linear(x, w), "onednn": lambda: _onednn_linear(x, w, None)},
+        "input_grad": {"aten": lambda: dy @ w, "onednn": lambda: _onednn_linear(dy, w.t(), None)},
+        "weight_grad": {"aten": lambda: dy.t() @ x, "onednn": lambda: _onednn_linear(dy.t(), x.t(), None),
+                        "onednn_transposed": lambda: onednn_weight_grad_transposed(dy, x)},
     }
     flops = 2 * rows * d_in * d_out
     out = {}
-    for gemm, (aten, onednn) in pairs.items():
-        aten_s, onednn_s = interleaved_medians([aten, onednn], repeats)
-        out[gemm] = {"aten_gflop_per_s": round(flops / aten_s / 1e9, 1),
-                     "onednn_gflop_per_s": round(flops / onednn_s / 1e9, 1),
-                     "onednn_speedup": round(aten_s / onednn_s, 3)}
+    for gemm, sides in impls.items():
+        seconds = dict(zip(sides, interleaved_medians(list(sides.values()), repeats)))
+        out[gemm] = {f"{side}_gflop_per_s": round(flops / s / 1e9, 1) for side, s in seconds.items()}
+        out[gemm].update({f"{side}_speedup": round(seconds["aten"] / s, 3) for side, s in seconds.items()
+                          if side != "aten"})
     return out
 
 
@@ -65,7 +67,7 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
 
 
 def main() -> None:
-    from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
+    from rlhf.engine.cpu_matmul import onednn_weight_grad, resolve_cpu_matmul, use_onednn_linears
     from rlhf.engine.flops import TransformerShape
     from rlhf.engine.fused_layers import fuse_layer_ops
 
@@ -87,7 +89,7 @@ def main() -> None:
         "train_step_aten_s": round(aten_s, 4), "train_step_onednn_s": round(onednn_s, 4),
         "train_step_onednn_speedup": round(aten_s / onednn_s, 3), "max_logit_diff": diff,
         "batch": args.batch, "seq": args.seq, "threads": torch.get_num_threads(),
-        "resolved_auto": resolve_cpu_matmul("auto"),
+        "resolved_auto": resolve_cpu_matmul("auto"), "weight_grad_on": "onednn" if onednn_weight_grad() else "aten",
     }))
 
 

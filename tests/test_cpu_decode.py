@@ -118,8 +118,9 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
 @pytest.mark.parametrize("batch", [3, 8, 11, 17])
 def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
     """The avx512 kernel set is avx2's with the packed projections on 16-float registers (8-row
-    blocks, then a tail of 1-7 rows): every output is the same multiply-add chain over k in order,
-    so the logits and caches are equal to the bit."""
+    blocks, then a tail of 1-7 rows; 3 panels side by side, then single panels, a partial last one
+    included: hidden 48, q/k/v 144, MLP 72): every output is the same multiply-add chain over k in
+    order, so the logits and caches are equal to the bit."""
     if "avx512" not in op.supported_isas():
         pytest.skip("this CPU has no AVX-512F")
     model = _model(*SHAPES["llama-mha-biases"])

@@ -98,9 +98,9 @@ class _OneDnnLinear(torch.autograd.Function):
 def onednn_weight_grad() -> bool:
     """Whether a linear's weight gradient takes oneDNN as well (`weight_grad`): on AMD CPUs of
     family 0x1A and later (Zen 5, whose AVX-512 FMAs are full width), where oneDNN's kernels run
-    at twice MKL's AVX2 rate. Measured on a 2-core AMD EPYC (Zen 5), 4096 rows: MKL 186-216
-    GFLOP/s, oneDNN with the transposed operand 272-409 (1.4-1.9x) at the tiny Llama's and
-    SmolLM2's shapes. On Zen 4 (AVX-512 in two halves) it was 0.71-1.01x MKL without the
+    at twice MKL's AVX2 rate. Measured on a 2-core AMD EPYC (Zen 5), scripts/bench_matmul.py:
+    MKL 167-213 GFLOP/s, oneDNN over the transposed operand 1.35-2.10x that at the tiny Llama's
+    shapes (4096 rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On Zen 4 (AVX-512 in two halves) it was 0.71-1.01x MKL without the
     transpose, so there the weight gradient stays on MKL."""
     family = cpuinfo_field("cpu family")
     return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A

@@ -8,8 +8,8 @@ AVX2 code path ("zen" kernels) even where the CPU has AVX-512, and oneDNN's JIT-
 kernels (the same library torch ships for its mkldnn ops) are faster at the shapes training runs:
 measured on a 2-core AMD EPYC (Zen 4), 4096 rows x hidden 256 / 688, median of 5 alternated runs:
 forward 1.02-1.16x, input gradient 1.15-1.29x, weight gradient 0.71-1.01x (slower: it stays on
-MKL there; on Zen 5 it takes oneDNN too, over a transposed operand: `weight_grad`), and at a decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a
-whole forward + backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
+MKL there; on Zen 5 it takes oneDNN too, over a transposed operand: `weight_grad`), and at a
+decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a whole forward + backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
 `scripts/bench_matmul.py` measures both, per GEMM and per training step.
 
 `OneDnnLinear` computes what `F.linear` computes, up to the summation order inside a dot product
@@ -100,8 +100,9 @@ def onednn_weight_grad() -> bool:
     family 0x1A and later (Zen 5, whose AVX-512 FMAs are full width), where oneDNN's kernels run
     at twice MKL's AVX2 rate. Measured on a 2-core AMD EPYC (Zen 5), scripts/bench_matmul.py:
     MKL 167-213 GFLOP/s, oneDNN over the transposed operand 1.35-2.10x that at the tiny Llama's
-    shapes (4096 rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On Zen 4 (AVX-512 in two halves) it was 0.71-1.01x MKL without the
-    transpose, so there the weight gradient stays on MKL."""
+    shapes (4096 rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On Zen 4 (AVX-512 in two
+    halves) it was 0.71-1.01x MKL without the transpose, so there the weight gradient stays on MKL.
+    Decided by the CPU, not timed at start-up: every rank and a resumed run take the same path."""
     family = cpuinfo_field("cpu family")
     return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A
 
@@ -117,9 +118,10 @@ def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def onednn_weight_grad_transposed(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """dY^T X through oneDNN, whose kernels read a strided source (dY^T seen transposed) at about
-    half their rate: the narrower of dY and X is transposed first (engine/layer_op.py's
-    register-tiled transpose) so that oneDNN's source is contiguous; when that is X (out >= 2 in),
-    the [in, out] product is transposed back."""
+    half their rate: dY is transposed first (engine/layer_op.py's register-tiled transpose) so that
+    oneDNN's source is contiguous, or X where dY is at least twice as wide (the cheaper copy; then
+    the [in, out] product is transposed back). Either was the faster where it is used, measured at
+    4096 rows (in -> out 256 -> 512: 334 against 295 GFLOP/s; 512 -> 256: 340 against 289)."""
     if grad_rows.shape[1] >= 2 * rows.shape[1]:
         return transposed(_onednn_linear(transposed(rows), grad_rows.t(), None))
     return _onednn_linear(transposed(grad_rows), rows.t(), None)

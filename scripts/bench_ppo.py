@@ -211,7 +211,8 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
     """One layer's linears plus the LM head on m rows, as nn.Linear runs them (x @ W^T); with
     backward also the input and weight gradients (dY @ W, dY^T @ X). Per GEMM its implementations:
     torch's matmul (MKL) and, where torch has it, oneDNN (which --cpu-matmul onednn runs;
-    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it). Returns them and the FLOPs of one pass over all GEMMs."""
+    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it).
+    Returns them and the FLOPs of one pass over all GEMMs."""
     from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available, onednn_weight_grad_transposed
 
     onednn = onednn_available() and dtype == torch.float32

@@ -1,8 +1,9 @@
 // AVX-512 CPU decode kernels: the AVX2 set with the projections' panel GEMM on 16-float registers
 // (8 rows x 3 panels of one register each against AVX2's 4 rows x 1 panel of 2: one multiply-add
 // instruction per 16 outputs, fewer loads per FMA). At a decode step's few rows the projections are
-// about half of the step; on a Zen 4 core the whole step is ~1.1x faster with 8 x 1, on Zen 5 three
-// panels side by side take another 10-15% off (scripts/bench_decode_step.py, packed_ms_per_step_by_isa). Each output is the same multiply-add chain over k in order as on
+// about half of the step; on a Zen 4 core the whole step is ~1.1x faster with 8 x 1, on Zen 5
+// three panels side by side take another 10-15% off (scripts/bench_decode_step.py,
+// packed_ms_per_step_by_isa). Each output is the same multiply-add chain over k in order as on
 // AVX2, so the two give the same bits. RMSNorm, SiLU * up, attention over the KV cache (memory-bound)
 // and sampling stay AVX2. Compiled through a target pragma, as cpu_decode_avx2.cpp; cpu_decode.cpp
 // only calls in here after checking that the CPU has AVX2 and AVX-512F.

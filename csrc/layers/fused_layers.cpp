@@ -356,7 +356,8 @@ at::Tensor transpose(const at::Tensor& x, const std::string& isa) {
   at::Tensor out = at::empty({cols, rows}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, (rows + tile - 1) / tile, std::max<int64_t>(1, grain_rows(cols) / tile), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, grain_rows(cols) / tile);
+  at::parallel_for(0, (rows + tile - 1) / tile, grain, [&](int64_t b, int64_t e) {
     k.transpose(xp, rows, cols, op, b * tile, std::min(rows, e * tile));
   });
   return out;

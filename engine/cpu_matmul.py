@@ -9,7 +9,8 @@ kernels (the same library torch ships for its mkldnn ops) are faster at the shap
 measured on a 2-core AMD EPYC (Zen 4), 4096 rows x hidden 256 / 688, median of 5 alternated runs:
 forward 1.02-1.16x, input gradient 1.15-1.29x, weight gradient 0.71-1.01x (slower: it stays on
 MKL there; on Zen 5 it takes oneDNN too, over a transposed operand: `weight_grad`), and at a
-decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a whole forward + backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
+decode step's 32 rows no gain (below `ONEDNN_MIN_ROWS` it stays on MKL too); a whole forward +
+backward 1.09x (tiny Llama, 32 x 128 tokens) and 1.16x (SmolLM2-135M, 4 x 256).
 `scripts/bench_matmul.py` measures both, per GEMM and per training step.
 
 `OneDnnLinear` computes what `F.linear` computes, up to the summation order inside a dot product

@@ -64,7 +64,8 @@ def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out
         got = cpu_matmul.weight_grad(dy, x)
         assert got.shape == (d_out, d_in) and got.is_contiguous()
         torch.testing.assert_close(got, dy.t() @ x, rtol=1e-5, atol=1e-4 * rows**0.5 / 8)
-    dy, x = torch.randn(ONEDNN_MIN_ROWS - 1, d_out, generator=gen), torch.randn(ONEDNN_MIN_ROWS - 1, d_in, generator=gen)
+    few = ONEDNN_MIN_ROWS - 1
+    dy, x = torch.randn(few, d_out, generator=gen), torch.randn(few, d_in, generator=gen)
     assert torch.equal(cpu_matmul.weight_grad(dy, x), dy.t() @ x)
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: False)
     dy, x = torch.randn(300, d_out, generator=gen), torch.randn(300, d_in, generator=gen)

@@ -368,7 +368,8 @@ at::Tensor transpose(const at::Tensor& x, const std::string& isa) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace L = rlhf_layers;
-  m.doc() = "Fused RMSNorm / RoPE / SwiGLU / attention forward and backward of Llama-family layers, and a transpose, float32 on the CPU";
+  m.doc() = "Fused RMSNorm / RoPE / SwiGLU / attention forward and backward of Llama-family layers, and a "
+            "transpose, float32 on the CPU";
   const auto release = py::call_guard<py::gil_scoped_release>();
   m.def("rms_norm_forward", &L::rms_norm_forward, py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("isa") = "auto", "-> (y, rstd)", release);

@@ -1,7 +1,8 @@
 // Fused kernels of a Llama-family decoder layer for training and teacher-forced forwards:
 // RMSNorm, rotary position embedding (RoPE), SwiGLU and attention, each forward and backward, and
 // a matrix transpose (for a linear's weight gradient, engine/cpu_matmul.py), one set per ISA
-// (scalar, AVX2, AVX-512). engine/fused_layers.py holds their PyTorch references.
+// (scalar, AVX2, AVX-512). engine/fused_layers.py holds their PyTorch references (the transpose's,
+// x.t().contiguous(), is in engine/layer_op.py).
 //
 // These files hold no torch code: fused_layers.cpp checks the tensors and hands row or element
 // ranges of float32 buffers to these kernels on torch's intra-op threads.

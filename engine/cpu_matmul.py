@@ -34,7 +34,7 @@ from rlhf.errors import UserError
 
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
-    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "swiglu_in_epilogues",
+    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears", "swiglu_in_epilogues",
     "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
@@ -164,6 +164,65 @@ class _OneDnnLinearAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return *_linear_grads(ctx, grad), grad
+
+
+class _OneDnnSharedInputLinears(torch.autograd.Function):
+    """Linears of one input (q, k and v; gate and up): each forward as `_OneDnnLinear`'s; in the
+    backward the input gradients accumulate in oneDNN's epilogue add (no pass of autograd's own per
+    extra linear) and, where `weight_grad` takes oneDNN, the input's rows are transposed once for all
+    the weight gradients (X^T dY, each [in, out] product transposed back: the same dot products as
+    transposing each dY, one transpose of X instead of one of every dY)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(rows, *weights)
+        ctx.has_bias = [bias is not None for bias in biases]
+        return tuple(_onednn_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+                     for weight, bias in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, *weights = ctx.saved_tensors
+        grad_rows = [grad.reshape(-1, grad.shape[-1]).contiguous() for grad in grads]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            for grad, weight in zip(grad_rows, weights):
+                onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
+                if grad_x is None:
+                    grad_x = _onednn_linear(grad, weight.t(), None) if onednn else grad @ weight
+                elif onednn:
+                    grad_x = torch.ops.mkldnn._linear_pointwise.binary(grad, grad_x, weight.t(), None, "add")
+                else:
+                    grad_x = grad_x.addmm_(grad, weight)
+            grad_x = grad_x.view(*grads[0].shape[:-1], rows.shape[1])
+        wanted = [ctx.needs_input_grad[1 + 2 * i] for i in range(len(weights))]
+        rows_t = transposed(rows) if any(wanted) and onednn_weight_grad() and rows.shape[0] >= ONEDNN_MIN_ROWS else None
+        params: list[torch.Tensor | None] = []
+        for i, grad in enumerate(grad_rows):
+            if not wanted[i]:
+                params.append(None)
+            elif rows_t is None:
+                params.append(grad.t() @ rows)
+            else:
+                params.append(transposed(_onednn_linear(rows_t, grad.t(), None)))
+            params.append(grad.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[2 + 2 * i] else None)
+        return grad_x, *params
+
+
+def shared_input_linears(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """[module(x) for module in modules], through `_OneDnnSharedInputLinears` where autograd records
+    and oneDNN takes x for every one of them (OneDnnLinear modules without hooks of their own):
+    one transpose of x and no separate gradient adds in the backward. Forwards that autograd does
+    not record gain nothing from it and call the modules."""
+    params = [p for module in modules for p in (getattr(module, "weight", None), getattr(module, "bias", None))]
+    if (len(modules) > 1 and torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (x, *params))
+            and all(isinstance(m, OneDnnLinearMixin) and not (m._forward_hooks or m._forward_pre_hooks)
+                    and _onednn_takes(x, m.weight, m.bias) for m in modules)):
+        return list(_OneDnnSharedInputLinears.apply(x, *params))
+    return [module(x) for module in modules]
 
 
 def _dense_matrix(weight: torch.Tensor) -> bool:

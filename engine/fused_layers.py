@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from rlhf.engine.cpu_matmul import linear_add, swiglu_linears
+from rlhf.engine.cpu_matmul import linear_add, shared_input_linears, swiglu_linears
 from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
 
 __all__ = [
@@ -298,7 +298,7 @@ class FusedMLPMixin(nn.Module):
         in the down projection's GEMM epilogue)."""
         hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: in oneDNN's epilogues
         if hidden is None:
-            hidden = swiglu(self.gate_proj(x), self.up_proj(x), overwrite_saved=True)
+            hidden = swiglu(*shared_input_linears(x, (self.gate_proj, self.up_proj)), overwrite_saved=True)
         return self.down_proj(hidden) if residual is None else linear_add(hidden, self.down_proj, residual)
 
 
@@ -332,9 +332,8 @@ class FusedAttentionMixin(nn.Module):
             return (output if residual is None else residual + output), weights
         input_shape = hidden_states.shape[:-1]
         cos, sin = position_embeddings
-        query = self.q_proj(hidden_states)
-        key = self.k_proj(hidden_states)
-        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        query, key, value = shared_input_linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+        value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
         dropout = 0.0 if not self.training else self.attention_dropout
         causal = kwargs.get("is_causal")  # as HF's SDPA decides it: the call's, else the module's
         causal = getattr(self, "is_causal", True) if causal is None else causal

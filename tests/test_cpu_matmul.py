@@ -72,6 +72,51 @@ def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out
     assert torch.equal(cpu_matmul.weight_grad(dy, x), dy.t() @ x)
 
 
+@needs_onednn
+@pytest.mark.parametrize("zen5", [True, False], ids=["onednn-weight-grad", "mkl-weight-grad"])
+@pytest.mark.parametrize("outs, bias, frozen", [((ONEDNN_MIN_DEPTH + 3, 64, 64), False, None),
+                                                ((2 * ONEDNN_MIN_DEPTH + 5, 2 * ONEDNN_MIN_DEPTH + 5), True, 1)])
+def test_shared_input_linears_match_the_separate_linears(monkeypatch, zen5: bool, outs: tuple[int, ...], bias: bool,
+                                                         frozen: int | None) -> None:
+    """q/k/v-like (GQA widths, one output gradient below ONEDNN_MIN_DEPTH: its input gradient takes
+    torch's matmul) and gate/up-like linears of one input through the shared backward equal the
+    separate OneDnnLinear modules: outputs to the bit, gradients up to float32 rounding (the input
+    gradients' sum in another order; the weight gradients over one transposed x); a frozen weight
+    gets none. Forwards that autograd does not record call the modules."""
+    monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: zen5)
+    gen = torch.Generator().manual_seed(4)
+    d_in = ONEDNN_MIN_DEPTH + 9
+    modules = [nn.Linear(d_in, d_out, bias=bias) for d_out in outs]
+    for module in modules:
+        use_onednn_linears(module)
+    if frozen is not None:
+        modules[frozen].weight.requires_grad_(False)
+    x = torch.randn(2, 67, d_in, generator=gen)
+    grads = [torch.randn(2, 67, d_out, generator=gen) for d_out in outs]
+
+    def run(fn) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        outputs = fn(leaf)
+        torch.autograd.backward(outputs, grads)
+        params = [p.grad for m in modules for p in m.parameters()]
+        return [o.detach() for o in outputs], [leaf.grad, *params]
+
+    want_out, want = run(lambda leaf: [module(leaf) for module in modules])
+    got_out, got = run(lambda leaf: cpu_matmul.shared_input_linears(leaf, tuple(modules)))
+    assert all(torch.equal(g, w) for g, w in zip(got_out, want_out))
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    leaf = x.clone().requires_grad_()
+    outputs = cpu_matmul.shared_input_linears(leaf, tuple(modules))
+    assert {type(o.grad_fn).__name__ for o in outputs} == {"_OneDnnSharedInputLinearsBackward"}
+    with torch.no_grad():
+        assert all(o.grad_fn is None for o in cpu_matmul.shared_input_linears(x, tuple(modules)))
+
+
 def test_onednn_weight_grad_follows_the_cpu(monkeypatch) -> None:
     """oneDNN takes the weight gradient on AMD CPUs of family 0x1A (Zen 5) on, nowhere else."""
     cases = [("AuthenticAMD", "26", True), ("AuthenticAMD", "27", True), ("AuthenticAMD", "25", False),

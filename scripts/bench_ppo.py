@@ -20,9 +20,12 @@ REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are 
 compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics: real
 tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch keeps up
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
-forward + backward; each GEMM by the faster of MKL and oneDNN, all of them over and over for a
-quarter second, the best of four such windows: a sustained rate, as the iteration's is; measured
-after each of our runs, each phase's fastest measurement used), over the measured iteration time;
+forward + backward; each GEMM by the fastest of MKL, oneDNN and, for decode, the fused decode
+step's packed GEMM (rlhf_cpu_decode.panel_linear, ~2x torch at a step's 32 rows: before session 14
+the decode reference was torch's alone, which credited generation with a rate its steps beat),
+all of them over and over for a quarter second, the best of four such windows: a sustained rate,
+as the iteration's is; measured after each of our runs, each phase's fastest measurement used),
+over the measured iteration time;
 `phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary matmuls at that rate.
 `compute_bound_fraction_vs_burst` is the same against each GEMM's fastest single call
 (`matmul_burst_gflop_per_s`), which a shared VM reaches only between its slow moments;
@@ -207,21 +210,28 @@ def model_shape(model: Path, args: argparse.Namespace) -> tuple[object, torch.dt
     return shape, {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.float32)
 
 
-def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tuple[list[list], int]:
+def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype,
+                packed: bool = False) -> tuple[list[list], int]:
     """One layer's linears plus the LM head on m rows, as nn.Linear runs them (x @ W^T); with
     backward also the input and weight gradients (dY @ W, dY^T @ X). Per GEMM its implementations:
     torch's matmul (MKL) and, where torch has it, oneDNN (which --cpu-matmul onednn runs;
-    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it).
+    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it);
+    with `packed` (the decode steps) also the fused decode step's own GEMM over weights packed in
+    panels (rlhf_cpu_decode.panel_linear), which runs a step's few rows at about twice torch's rate.
     Returns them and the FLOPs of one pass over all GEMMs."""
+    from rlhf.engine.cpu_decode import load_cpu_decode_op
     from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available, onednn_weight_grad_transposed
 
     onednn = onednn_available() and dtype == torch.float32
+    decode_op = load_cpu_decode_op() if packed and dtype == torch.float32 else None
     gemms: list[list] = []
     linears = [*shape.linear_shapes(), (shape.hidden, shape.vocab)]
     for d_in, d_out in linears:
         x, w, dy = torch.randn(m, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype), torch.randn(m, d_out, dtype=dtype)
+        panels = decode_op.pack_panels(w.t()) if decode_op is not None else None
         gemms.append([lambda x=x, w=w: torch.nn.functional.linear(x, w)]
-                     + [lambda x=x, w=w: _onednn_linear(x, w, None)] * onednn)
+                     + [lambda x=x, w=w: _onednn_linear(x, w, None)] * onednn
+                     + [lambda x=x, p=panels, n=d_out: decode_op.panel_linear(x, p, n)] * (decode_op is not None))
         if backward:
             gemms.append([lambda dy=dy, w=w: dy @ w] + [lambda dy=dy, w=w: _onednn_linear(dy, w.t(), None)] * onednn)
             gemms.append([lambda dy=dy, x=x: dy.t() @ x]
@@ -232,7 +242,8 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype) -> tu
 
 
 def gemm_rates(shape: object, m: int, backward: bool, dtype: torch.dtype, repeats: int = 5,
-               min_seconds: float = 0.25, window_seconds: float = 0.25, windows: int = 4) -> tuple[float, float]:
+               min_seconds: float = 0.25, window_seconds: float = 0.25, windows: int = 4,
+               packed: bool = False) -> tuple[float, float]:
     """(burst, sustained) FLOP/s of one phase's GEMMs (phase_gemms), each GEMM by its faster
     implementation. Burst: the sum of each GEMM's best single call (of at least `repeats` runs
     and of `min_seconds`: a decode step's few rows take well under a millisecond, and a best of a
@@ -242,7 +253,7 @@ def gemm_rates(shape: object, m: int, backward: bool, dtype: torch.dtype, repeat
     slow spell of the machine during one does not lower the reference (and raise the fraction).
     On a shared VM the two differ: single calls catch the fastest moments, a stream of them pays
     for the slow ones as a training run does. Never above the burst rate."""
-    gemms, flops = phase_gemms(shape, m, backward, dtype)
+    gemms, flops = phase_gemms(shape, m, backward, dtype, packed)
     best = [[float("inf")] * len(impls) for impls in gemms]
     runs, began = 0, time.perf_counter()
     while runs <= repeats or time.perf_counter() - began < min_seconds:  # the first run warms up
@@ -267,15 +278,17 @@ def gemm_rates(shape: object, m: int, backward: bool, dtype: torch.dtype, repeat
 def matmul_rates(model: Path, args: argparse.Namespace, prompts_per_iteration: int) -> dict[str, dict[str, float]]:
     """FLOP/s of torch's matmul at the GEMM shapes of each phase, measured now, in this process
     ({"burst": {phase: rate}, "sustained": {...}}, gemm_rates): prefill (the unique prompts'
-    tokens), decode (one row per sample), experience/reward forwards and training
-    forward+backward (a micro-batch of prompt + response tokens)."""
+    tokens), decode (one row per sample; also the decode step's own packed GEMM, the fastest at
+    those rows), experience/reward forwards and training forward+backward (a micro-batch of
+    prompt + response tokens)."""
     shape, dtype = model_shape(model, args)
     micro_tokens = min(args.micro_batch_size, args.batch) * (args.prompt_len + args.new_tokens)
     rows = {"prefill": (prompts_per_iteration * args.prompt_len, False), "decode": (args.batch, False),
             "forward": (micro_tokens, False), "training": (micro_tokens, True)}
     rates: dict[str, dict[str, float]] = {"burst": {}, "sustained": {}}
     for phase, (m, backward) in rows.items():
-        rates["burst"][phase], rates["sustained"][phase] = gemm_rates(shape, m, backward, dtype)
+        rates["burst"][phase], rates["sustained"][phase] = gemm_rates(shape, m, backward, dtype,
+                                                                      packed=phase == "decode")
     return rates
 
 

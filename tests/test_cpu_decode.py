@@ -138,6 +138,25 @@ def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
         assert torch.equal(a[:, :, : 7 + steps], b[:, :, : 7 + steps])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_panel_linear_is_the_packed_projection(op, rows: int) -> None:
+    """panel_linear (the step's packed GEMM on its own, bench_ppo's decode reference) equals x @ w_t
+    + bias up to float32 rounding on every kernel set, partial last panels and odd widths
+    included, and refuses panels of the wrong shape."""
+    gen = torch.Generator().manual_seed(5)
+    for d_in, d_out in ((256, 98), (37, 211), (64, 16)):
+        x = torch.randn(rows, d_in, generator=gen)
+        w_t = torch.randn(d_in, d_out, generator=gen) / d_in**0.5
+        bias = torch.randn(d_out, generator=gen)
+        panels = op.pack_panels(w_t)
+        for isa in op.supported_isas():
+            torch.testing.assert_close(op.panel_linear(x, panels, d_out, isa=isa), x @ w_t, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(op.panel_linear(x, panels, d_out, bias, isa=isa), x @ w_t + bias,
+                                       rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="panels"):
+        op.panel_linear(x, panels, d_out + 16)
+
+
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-mha-biases"])
 def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, shape: str) -> None:
     """kv_cache_dtype="fp16": every kernel set rounds this step's key and value into the float16

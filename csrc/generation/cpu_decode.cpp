@@ -410,6 +410,31 @@ class LlamaDecodeStep {
 };
 
 // One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
+// x [rows, in] @ w_t (+ bias) through the step's packed GEMM, `panels` being pack_panels(w_t) of an
+// [in, out_features] weight: one slice of 16-column panels per intra-op thread, as the step's
+// projections run (scripts/bench_ppo.py times it beside torch's matmul for the decode reference).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                        const std::optional<at::Tensor>& bias, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rlhf_cpu_decode.panel_linear: x must be a contiguous [rows, in] float32 CPU tensor");
+  const int64_t in = x.size(1);
+  TORCH_CHECK(out_features >= 1, "rlhf_cpu_decode.panel_linear: out_features must be >= 1, got ", out_features);
+  check_weight(panels, "panels", {divup(out_features, kPanelColumns), in, kPanelColumns});
+  if (bias.has_value() && bias->defined()) check_weight(*bias, "bias", {out_features});
+  std::string chosen;
+  const Kernels& kernels = resolve_isa(isa, chosen);
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const PanelGemmArgs args{x.data_ptr<float>(), in, x.size(0), in, panels.data_ptr<float>(),
+                           bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr,
+                           out.data_ptr<float>(), out_features, false};
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = divup(divup(out_features, threads), kPanelColumns) * kPanelColumns;
+  at::parallel_for(0, divup(out_features, chunk), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) kernels.panel_gemm(args, c * chunk, std::min(out_features, (c + 1) * chunk));
+  });
+  return out;
+}
+
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, double temperature, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat,
               "rlhf_cpu_decode.sample: logits must be a [batch, vocab] float32 CPU tensor");
@@ -546,6 +571,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("packed", &LlamaDecodeStep::packed, "Whether the projections run packed weights.");
   m.def("pack_panels", &rlhf_decode::pack_panels, py::arg("w_t"),
         "An [in, out] weight packed for the step's packed projections: [ceil(out / 16), in, 16].");
+  m.def("panel_linear", &rlhf_decode::panel_linear, py::arg("x"), py::arg("panels"), py::arg("out_features"),
+        py::arg("bias") = py::none(), py::arg("isa") = "auto",
+        "x [rows, in] @ w_t (+ bias) through the step's packed GEMM over pack_panels(w_t) -> [rows, out_features].",
+        py::call_guard<py::gil_scoped_release>());
   m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
         py::arg("isa") = "auto",
         "One draw per row from softmax(logits / temperature) by inverse CDF with the given uniforms "

@@ -34,8 +34,8 @@ from rlhf.errors import UserError
 
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
-    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears", "swiglu_in_epilogues",
-    "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
+    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears",
+    "swiglu_in_epilogues", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -199,7 +199,8 @@ class _OneDnnSharedInputLinears(torch.autograd.Function):
                     grad_x = grad_x.addmm_(grad, weight)
             grad_x = grad_x.view(*grads[0].shape[:-1], rows.shape[1])
         wanted = [ctx.needs_input_grad[1 + 2 * i] for i in range(len(weights))]
-        rows_t = transposed(rows) if any(wanted) and onednn_weight_grad() and rows.shape[0] >= ONEDNN_MIN_ROWS else None
+        on_onednn = any(wanted) and onednn_weight_grad() and rows.shape[0] >= ONEDNN_MIN_ROWS
+        rows_t = transposed(rows) if on_onednn else None  # once, for every weight gradient
         params: list[torch.Tensor | None] = []
         for i, grad in enumerate(grad_rows):
             if not wanted[i]:

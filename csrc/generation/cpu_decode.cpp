@@ -409,7 +409,6 @@ class LlamaDecodeStep {
   std::vector<std::vector<float>> thread_scratch_;  // attention scratch per thread
 };
 
-// One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
 // x [rows, in] @ w_t (+ bias) through the step's packed GEMM, `panels` being pack_panels(w_t) of an
 // [in, out_features] weight: one slice of 16-column panels per intra-op thread, as the step's
 // projections run (scripts/bench_ppo.py times it beside torch's matmul for the decode reference).
@@ -435,6 +434,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   return out;
 }
 
+// One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, double temperature, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat,
               "rlhf_cpu_decode.sample: logits must be a [batch, vocab] float32 CPU tensor");

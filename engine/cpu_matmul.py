@@ -112,9 +112,25 @@ def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """dY^T X [out, in], the weight gradient of a linear from its output gradient's rows dY [n, out]
     and its input's rows X [n, in] (both contiguous): through MKL, or where `onednn_weight_grad`
     says so (and from ONEDNN_MIN_ROWS rows) through `onednn_weight_grad_transposed`."""
-    if not onednn_weight_grad() or grad_rows.shape[0] < ONEDNN_MIN_ROWS:
+    if not _weight_grad_on_onednn(rows.shape[0]):
         return grad_rows.t() @ rows
     return onednn_weight_grad_transposed(grad_rows, rows)
+
+
+def _weight_grad_on_onednn(rows: int) -> bool:
+    """Whether weight gradients over `rows` rows take oneDNN (`onednn_weight_grad`, from ONEDNN_MIN_ROWS)."""
+    return onednn_weight_grad() and rows >= ONEDNN_MIN_ROWS
+
+
+def _input_grad(grad_rows: torch.Tensor, weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """dY @ W [n, in] (plus `into`, added in oneDNN's epilogue or in place): through oneDNN where
+    its depth (out features) is at least ONEDNN_MIN_DEPTH, else torch's matmul."""
+    onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
+    if into is None:
+        return _onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise.binary(grad_rows, into, weight.t(), None, "add")
+    return into.addmm_(grad_rows, weight)
 
 
 def onednn_weight_grad_transposed(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -137,9 +153,7 @@ def _linear_grads(ctx: torch.autograd.function.FunctionCtx,
     grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
     grad_x = grad_weight = grad_bias = None
     if ctx.needs_input_grad[0]:
-        onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
-        grad_x = (_onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight).view(
-            *grad.shape[:-1], weight.shape[1])
+        grad_x = _input_grad(grad_rows, weight).view(*grad.shape[:-1], weight.shape[1])
     if ctx.needs_input_grad[1]:
         grad_weight = weight_grad(grad_rows, rows)
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -190,16 +204,10 @@ class _OneDnnSharedInputLinears(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             for grad, weight in zip(grad_rows, weights):
-                onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
-                if grad_x is None:
-                    grad_x = _onednn_linear(grad, weight.t(), None) if onednn else grad @ weight
-                elif onednn:
-                    grad_x = torch.ops.mkldnn._linear_pointwise.binary(grad, grad_x, weight.t(), None, "add")
-                else:
-                    grad_x = grad_x.addmm_(grad, weight)
+                grad_x = _input_grad(grad, weight, grad_x)
             grad_x = grad_x.view(*grads[0].shape[:-1], rows.shape[1])
         wanted = [ctx.needs_input_grad[1 + 2 * i] for i in range(len(weights))]
-        on_onednn = any(wanted) and onednn_weight_grad() and rows.shape[0] >= ONEDNN_MIN_ROWS
+        on_onednn = any(wanted) and _weight_grad_on_onednn(rows.shape[0])
         rows_t = transposed(rows) if on_onednn else None  # once, for every weight gradient
         params: list[torch.Tensor | None] = []
         for i, grad in enumerate(grad_rows):

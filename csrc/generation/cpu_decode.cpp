@@ -155,6 +155,19 @@ at::Tensor cols(const at::Tensor& t, int64_t begin, int64_t end) {
 
 int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// fn(c0, c1) over slices of [0, columns) on torch's intra-op threads, one slice per thread
+// (slices are multiples of kPanelColumns). A GEMM called inside a parallel region runs on one
+// thread, so each thread multiplies its own slice of the weight: for the small GEMMs of a
+// decode step this scales across cores far better than MKL threading each GEMM itself.
+template <class Fn>
+void for_column_chunks(int64_t columns, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = divup(divup(columns, threads), kPanelColumns) * kPanelColumns;
+  at::parallel_for(0, divup(columns, chunk), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) fn(c * chunk, std::min(columns, (c + 1) * chunk));
+  });
+}
+
 class LlamaDecodeStep {
  public:
   LlamaDecodeStep(const at::Tensor& embed, const std::vector<at::Tensor>& layer_tensors,
@@ -357,19 +370,6 @@ class LlamaDecodeStep {
     }
   }
 
-  // fn(c0, c1) over slices of [0, columns) on torch's intra-op threads, one slice per thread
-  // (slices are multiples of 16 columns). A GEMM called inside a parallel region runs on one
-  // thread, so each thread multiplies its own slice of the weight: for the small GEMMs of a
-  // decode step this scales across cores far better than MKL threading each GEMM itself.
-  template <class Fn>
-  void for_column_chunks(int64_t columns, const Fn& fn) const {
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t chunk = divup(divup(columns, threads), 16) * 16;
-    at::parallel_for(0, divup(columns, chunk), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) fn(c * chunk, std::min(columns, (c + 1) * chunk));
-    });
-  }
-
   // Per-thread buffers, sized for the current thread count.
   void ensure_thread_buffers() {
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -426,11 +426,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   const PanelGemmArgs args{x.data_ptr<float>(), in, x.size(0), in, panels.data_ptr<float>(),
                            bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr,
                            out.data_ptr<float>(), out_features, false};
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = divup(divup(out_features, threads), kPanelColumns) * kPanelColumns;
-  at::parallel_for(0, divup(out_features, chunk), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) kernels.panel_gemm(args, c * chunk, std::min(out_features, (c + 1) * chunk));
-  });
+  for_column_chunks(out_features, [&](int64_t c0, int64_t c1) { kernels.panel_gemm(args, c0, c1); });
   return out;
 }
 

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "../common/prefetch.h"
+
 namespace rlhf_decode {
 
 // One decode step of one layer's attention, for all (sequence, KV head) tasks.

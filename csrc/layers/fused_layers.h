@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "../common/prefetch.h"
+
 namespace rlhf_layers {
 
 // RoPE over rows (b, t) of a projection x [batch, seq, heads * head_dim] with its tables

@@ -12,9 +12,12 @@ making progress, with one line naming it.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
+import threading
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +74,25 @@ def exit_job(code: int) -> None:
     if _watchdog is not None:
         for rank in _watchdog.silent_peers(min_age=_watchdog.timeout / 2):
             _watchdog.kill_if_local(rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_rank(code: int = 0) -> typing.NoReturn:
+    """End a rank whose process group is torn down, without interpreter finalization: the steps
+    of a normal exit before it (join the other non-daemon threads, run the atexit handlers, flush),
+    then `os._exit`.
+
+    A collective issued inside backward (FSDP2's gradient reduce) keeps the Python context that
+    autograd put in thread-local state, and the last reference to it can be dropped by one of
+    gloo's worker threads just after this rank's final barrier returns (a barrier holds the
+    collectives queued before it). If finalization has begun by then, taking the GIL for it ends
+    that thread inside a C++ destructor and the rank aborts ("terminate called without an active
+    exception"), after its work was done. Exiting without finalization leaves that thread nothing
+    to collide with; every file the job writes is closed by then (each is written in a `with`)."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what finalization runs first: join non-daemon threads
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

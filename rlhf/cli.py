@@ -336,14 +336,16 @@ def _register_plans() -> None:
 _register_plans()
 
 
-def _shutdown_distributed() -> None:
-    """After a successful multi-process command: wait for every rank, then tear the group down."""
+def _end_distributed() -> None:
+    """After a successful multi-process command: wait for every rank, tear the group down, and
+    end the rank without interpreter finalization (`exit_rank` says why)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from rlhf.engine.distributed import shutdown_process_group
+        from rlhf.engine.distributed import exit_rank, shutdown_process_group
 
         shutdown_process_group()
+        exit_rank(0)
 
 
 def _close_progress_bars() -> None:
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     _output_path = None
     try:
         cli.main(args=argv, prog_name="rlhf", standalone_mode=False)
-        _shutdown_distributed()
+        _end_distributed()
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

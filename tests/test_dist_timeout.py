@@ -3,7 +3,8 @@
 Rank 1 stops itself with SIGSTOP at the start of step 2 (the RLHF_TEST_STALL hook of
 engine/watchdog.py); rank 0 must end the job within --dist-timeout + 10 s of that moment with one
 line naming rank 1, and no process may be left behind. A user error raised on every rank is
-printed once.
+printed once. A rank that finished leaves through `exit_rank`, which must still do what a normal
+exit does before finalization.
 """
 
 from __future__ import annotations
@@ -88,3 +89,28 @@ def test_a_user_error_on_every_rank_is_one_line(tiny_model_dirs, tmp_path):
     assert code == 2
     assert errors == [f"error: {data} line 2: not UTF-8 text (byte 0xe9 at offset 48); save the file as UTF-8 or "
                       "fix that row"], errors
+
+
+EXITING_RANK = """
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from rlhf.engine.distributed import exit_rank
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()
+idle = ThreadPoolExecutor(1)  # never shut down: its worker waits for work until exit tells it to stop
+idle.submit(lambda: None).result()
+print("buffered", end="")
+exit_rank(3)
+"""
+
+
+def test_exit_rank_does_what_a_normal_exit_does_before_finalization(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", EXITING_RANK, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered"
+    assert (tmp_path / "thread").read_text() == "joined"  # non-daemon threads joined
+    assert (tmp_path / "atexit").read_text() == "ran"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from rlhf.engine.distributed import exit_rank
 from rlhf.engine.fused_adam import CPU_OP, CUDA_OP, FusedAdamW, adam_reference_step, fused_adam_available
 from rlhf.engine.ops import load_op
 
@@ -482,6 +483,7 @@ def _fsdp_worker(rank: int, port: int, ckpt_dir: str) -> None:
         dist.barrier()  # no rank tears gloo down while its peer is still communicating
     finally:
         dist.destroy_process_group()
+    exit_rank()  # this worker ran backward under FSDP2: see exit_rank for why it skips finalization
 
 
 def test_fsdp2_two_ranks_match_torch_and_round_trip_dcp() -> None:

@@ -123,13 +123,13 @@ def _weight_grad_on_onednn(rows: int) -> bool:
 
 
 def _input_grad(grad_rows: torch.Tensor, weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """dY @ W [n, in] (plus `into`, added in oneDNN's epilogue or in place): through oneDNN where
+    """dY @ W [n, in] (plus `into`, added into it in place): through oneDNN where
     its depth (out features) is at least ONEDNN_MIN_DEPTH, else torch's matmul."""
     onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
     if into is None:
         return _onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight
-    if onednn:
-        return torch.ops.mkldnn._linear_pointwise.binary(grad_rows, into, weight.t(), None, "add")
+    if onednn:  # not in oneDNN's epilogue add (binary post-op): slower, see _OneDnnLinearAdd
+        return into.add_(_onednn_linear(grad_rows, weight.t(), None))
     return into.addmm_(grad_rows, weight)
 
 
@@ -162,9 +162,12 @@ def _linear_grads(ctx: torch.autograd.function.FunctionCtx,
 
 
 class _OneDnnLinearAdd(torch.autograd.Function):
-    """x @ weight^T (+ bias) + residual with the add in oneDNN's GEMM epilogue (the residual
-    stream's add of a decoder layer's output and down projections: no pass of its own); the
-    residual's gradient is the output's, as the add's would be."""
+    """x @ weight^T (+ bias) + residual (the residual stream's add of a decoder layer's output and
+    down projections), the add in place on the product's fresh output; the residual's gradient is
+    the output's, as the add's would be, with no pass of autograd's own. Not in oneDNN's epilogue
+    (its binary post-op): that ran the GEMM slower than the product and the add apart, measured in
+    the tiny Llama's forward (4096 rows, 256 -> 256: 343 against 477 GFLOP/s; a 32 x 128-token
+    forward 84.7 -> 80.5 ms, training step 1.5% off) and the same at SmolLM2-135M's shapes."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
@@ -173,7 +176,7 @@ class _OneDnnLinearAdd(torch.autograd.Function):
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         other = residual.reshape(-1, weight.shape[0]).contiguous()
-        return torch.ops.mkldnn._linear_pointwise.binary(rows, other, weight, bias, "add").view(residual.shape)
+        return _onednn_linear(rows, weight, bias).add_(other).view(residual.shape)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -182,7 +185,7 @@ class _OneDnnLinearAdd(torch.autograd.Function):
 
 class _OneDnnSharedInputLinears(torch.autograd.Function):
     """Linears of one input (q, k and v; gate and up): each forward as `_OneDnnLinear`'s; in the
-    backward the input gradients accumulate in oneDNN's epilogue add (no pass of autograd's own per
+    backward the input gradients accumulate in place into one tensor (no sum of autograd's own per
     extra linear) and, where `weight_grad` takes oneDNN, the input's rows are transposed once for all
     the weight gradients (X^T dY, each [in, out] product transposed back: the same dot products as
     transposing each dY, one transpose of X instead of one of every dY)."""
@@ -253,9 +256,10 @@ def _onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_add(x: torch.Tensor, linear_module: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-    """linear_module(x) + residual, the add in oneDNN's GEMM epilogue where the module is a
-    OneDnnLinear that oneDNN takes x for and the residual is a plain float32 CPU tensor of the
-    output's shape; the same sum either way (the add is exact, only the GEMM rounds)."""
+    """linear_module(x) + residual, through `_OneDnnLinearAdd` (the add in place on the product's
+    output, the residual's gradient passed through) where the module is a OneDnnLinear that oneDNN
+    takes x for and the residual is a plain float32 CPU tensor of the output's shape; the same sum
+    either way."""
     weight, bias = getattr(linear_module, "weight", None), getattr(linear_module, "bias", None)
     if (isinstance(linear_module, OneDnnLinearMixin) and _onednn_takes(x, weight, bias)
             and _plain_cpu_float32(residual) and residual.shape == (*x.shape[:-1], weight.shape[0])):
@@ -273,12 +277,13 @@ def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Ten
 
 def swiglu_in_epilogues(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
                         up_weight: torch.Tensor, up_bias: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(x @ gate_weight^T + gate_bias) * (x @ up_weight^T + up_bias) with the activation and the
-    product in oneDNN's GEMM epilogues (swish on the gate's output, then the up projection's output
-    times it, each while its tile is in registers): no pass of their own over the [rows, ffn]
-    activations, 13-22% off the three at 4096-10240 rows x 256 -> 688. For forwards autograd does
-    not record (reward, reference and value scoring, a rollout's prefill) where oneDNN takes both;
-    None otherwise. oneDNN's swish rounds differently from torch's silu (~1 ulp)."""
+    """silu(x @ gate_weight^T + gate_bias) * (x @ up_weight^T + up_bias) with the activation in the
+    gate product's oneDNN epilogue (swish while its tile is in registers: no pass of its own over
+    the [rows, ffn] activations) and the up projection's output multiplied in place into it (the
+    product in oneDNN's binary post-op ran the GEMM slower than the two apart; see
+    _OneDnnLinearAdd). For forwards autograd does not record (reward, reference and value scoring,
+    a rollout's prefill) where oneDNN takes both; None otherwise. oneDNN's swish rounds differently
+    from torch's silu (~1 ulp)."""
     rows = x.reshape(-1, x.shape[-1])
     tensors = (x, gate_weight, gate_bias, up_weight, up_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
@@ -287,8 +292,7 @@ def swiglu_in_epilogues(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: t
         return None
     rows = rows.contiguous()
     activated = torch.ops.mkldnn._linear_pointwise(rows, gate_weight, gate_bias, "swish", [], "")
-    out = torch.ops.mkldnn._linear_pointwise.binary(rows, activated, up_weight, up_bias, "mul")
-    return out.view(*x.shape[:-1], up_weight.shape[0])
+    return activated.mul_(_onednn_linear(rows, up_weight, up_bias)).view(*x.shape[:-1], up_weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

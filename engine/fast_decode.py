@@ -495,7 +495,7 @@ class FastLlamaDecoder:
             h = fused_layers.rms_norm(x, w.post_norm, w.post_eps)
             ffn = w.w_down.shape[1]
             bias = (None, None) if w.b_gate_up is None else (w.b_gate_up[:ffn], w.b_gate_up[ffn:])
-            # Where the linears run oneDNN, SiLU(gate) * up in the gate and up products' epilogues;
+            # Where the linears run oneDNN, SiLU(gate) in the gate product's epilogue, times up in place;
             # else the two products into their own tensors, which the fused SwiGLU reads whole.
             hidden = None
             if self.linear is onednn_linear:

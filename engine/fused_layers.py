@@ -12,10 +12,10 @@ kernels (causal: only the visible half of the scores), for float32 on the CPU. E
 Hugging Face's code op for op, so a model computes the same thing either way
 (tests/test_fused_layers.py).
 
-Where the linears run oneDNN (engine/cpu_matmul.py), two more passes go: the decoder layer's
-residual adds run in the output and down projections' GEMM epilogues (`linear_add`), and a
-forward without autograd takes SiLU(gate) * up from the gate and up projections' epilogues
-(`swiglu_linears`).
+Where the linears run oneDNN (engine/cpu_matmul.py), the decoder layer's residual adds go in
+place onto the output and down projections' fresh outputs with no pass of autograd's own
+(`linear_add`), and a forward without autograd takes SiLU(gate) from the gate projection's
+epilogue and multiplies the up projection's output into it in place (`swiglu_linears`).
 
 The swap changes each module's class to a subclass that overrides `forward` (as FSDP2 does), so
 parameters, state-dict names, deepcopies and LoRA wrapping are untouched. Attention through a KV
@@ -294,9 +294,9 @@ class FusedMLPMixin(nn.Module):
     down_proj: nn.Module
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP's output, plus `residual` where given (FusedDecoderLayerMixin: the add then runs
-        in the down projection's GEMM epilogue)."""
-        hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: in oneDNN's epilogues
+        """The MLP's output, plus `residual` where given (FusedDecoderLayerMixin: cpu_matmul.linear_add
+        adds it onto the down projection's output)."""
+        hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: SiLU in oneDNN's epilogue
         if hidden is None:
             hidden = swiglu(*shared_input_linears(x, (self.gate_proj, self.up_proj)), overwrite_saved=True)
         return self.down_proj(hidden) if residual is None else linear_add(hidden, self.down_proj, residual)
@@ -321,7 +321,7 @@ class FusedAttentionMixin(nn.Module):
                 attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
                 residual: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the attention output, plus `residual` where given: FusedDecoderLayerMixin's residual
-        stream, added in the output projection's GEMM epilogue; the weights or None)."""
+        stream, added onto the output projection's output by cpu_matmul.linear_add; the weights or None)."""
         # The KV cache: the fourth argument, `cache` since transformers 5.2x (`past_key_values` before).
         for name in ("cache", "past_key_values", "past_key_value"):
             if past_key_values is None:
@@ -372,10 +372,10 @@ class FusedAttentionMixin(nn.Module):
 
 
 class FusedDecoderLayerMixin(nn.Module):
-    """A Llama-family decoder layer whose two residual adds run in the output and down projections'
-    GEMM epilogues (cpu_matmul.linear_add: oneDNN's post-op add where those are OneDnnLinear
-    modules, else the add as Hugging Face writes it): two passes over the hidden states fewer per
-    layer. Layers whose attention or MLP were not swapped run their own forward."""
+    """A Llama-family decoder layer whose two residual adds go onto the output and down projections'
+    outputs (cpu_matmul.linear_add: in place on the product's fresh output where those are OneDnnLinear
+    modules, else the add as Hugging Face writes it). Layers whose attention or MLP were not swapped
+    run their own forward."""
 
     self_attn: nn.Module
     mlp: nn.Module

@@ -176,9 +176,9 @@ def test_swapped_model_matches_and_keeps_its_parameters() -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_inference_swiglu_runs_in_the_gemm_epilogues_and_matches(bias: bool) -> None:
-    """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from oneDNN's epilogues
-    (swish, then the product) and matches torch's ops to rounding; with autograd, or a plain
+def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool) -> None:
+    """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from oneDNN (swish in the
+    gate's epilogue, the up projection's output multiplied in place) and matches torch's ops to rounding; with autograd, or a plain
     nn.Linear, or too few rows, there is no such path (None: the caller's own)."""
     gen = torch.Generator().manual_seed(0)
     gate, up = nn.Linear(256, 344, bias=bias), nn.Linear(256, 344, bias=bias)
@@ -247,7 +247,7 @@ def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model
 def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
     (its decode steps' 4 rows stay on torch's matmul), and with fused layers too SiLU(gate) * up
-    in the gate and up products' epilogues; logits equal the plain model's decoder's."""
+    through `swiglu_in_epilogues`; logits equal the plain model's decoder's."""
     from rlhf.engine import fast_decode
     from rlhf.engine.fast_decode import FastLlamaDecoder
     from rlhf.engine.fused_layers import fuse_layer_ops

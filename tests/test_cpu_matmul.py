@@ -244,6 +244,38 @@ def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model
 
 
 @needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_add_equals_the_linear_plus_the_residual_and_leaves_the_residual(bias: bool) -> None:
+    """linear_add of a OneDnn linear: the same bits as the module's output plus the residual (the add
+    in place on the product's own output), the residual tensor untouched, and the gradients autograd
+    gives `residual + module(x)` (the residual's is the output's)."""
+    gen = torch.Generator().manual_seed(5)
+    module = nn.Linear(ONEDNN_MIN_DEPTH + 3, 48, bias=bias)
+    use_onednn_linears(module)
+    x = torch.randn(2, ONEDNN_MIN_ROWS, ONEDNN_MIN_DEPTH + 3, generator=gen)
+    residual = torch.randn(2, ONEDNN_MIN_ROWS, 48, generator=gen)
+    grad = torch.randn(2, ONEDNN_MIN_ROWS, 48, generator=gen)
+    kept = residual.clone()
+
+    def run(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        leaf, res = x.clone().requires_grad_(), residual.clone().requires_grad_()
+        out = fn(leaf, res)
+        out.backward(grad)
+        return out.detach(), [leaf.grad, res.grad, *(p.grad for p in module.parameters())]
+
+    want_out, want = run(lambda leaf, res: res + module(leaf))
+    got_out, got = run(lambda leaf, res: cpu_matmul.linear_add(leaf, module, res))
+    assert torch.equal(got_out, want_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert type(cpu_matmul.linear_add(x, module, residual).grad_fn).__name__ == "_OneDnnLinearAddBackward"
+    with torch.no_grad():
+        assert torch.equal(cpu_matmul.linear_add(x, module, residual), want_out)
+    assert torch.equal(residual, kept)
+
+
+@needs_onednn
 def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
     (its decode steps' 4 rows stay on torch's matmul), and with fused layers too SiLU(gate) * up

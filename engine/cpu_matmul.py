@@ -35,7 +35,7 @@ from rlhf.errors import UserError
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
     "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears",
-    "swiglu_in_epilogues", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
+    "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -268,14 +268,14 @@ def linear_add(x: torch.Tensor, linear_module: nn.Module, residual: torch.Tensor
 
 
 def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor | None:
-    """silu(gate(x)) * up(x) through `swiglu_in_epilogues` where both are OneDnnLinear modules;
+    """silu(gate(x)) * up(x) through `swiglu_in_epilogue` where both are OneDnnLinear modules;
     None otherwise (and where autograd records: their parameters or x need gradients)."""
     if not (isinstance(gate, OneDnnLinearMixin) and isinstance(up, OneDnnLinearMixin)):
         return None
-    return swiglu_in_epilogues(x, gate.weight, gate.bias, up.weight, up.bias)
+    return swiglu_in_epilogue(x, gate.weight, gate.bias, up.weight, up.bias)
 
 
-def swiglu_in_epilogues(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
+def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
                         up_weight: torch.Tensor, up_bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(x @ gate_weight^T + gate_bias) * (x @ up_weight^T + up_bias) with the activation in the
     gate product's oneDNN epilogue (swish while its tile is in registers: no pass of its own over

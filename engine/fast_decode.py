@@ -47,7 +47,7 @@ from rlhf.engine import fused_layers
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 from rlhf.engine.cpu_matmul import is_plain_linear, uses_onednn_linears
 from rlhf.engine.cpu_matmul import linear as onednn_linear
-from rlhf.engine.cpu_matmul import swiglu_in_epilogues
+from rlhf.engine.cpu_matmul import swiglu_in_epilogue
 from rlhf.engine.decode_graph import DecodeGraph, StaticDecodeInputs, cuda_graph_decode_requested
 from rlhf.engine.fused_layers import rms_norm_reference as rms_norm  # LlamaRMSNorm's ops exactly
 from rlhf.engine.kernels import decode_attention, decode_attention_kernel_unsupported_reason, generation_kernels_enabled
@@ -499,7 +499,7 @@ class FastLlamaDecoder:
             # else the two products into their own tensors, which the fused SwiGLU reads whole.
             hidden = None
             if self.linear is onednn_linear:
-                hidden = swiglu_in_epilogues(h, w.w_gate, bias[0], w.w_up, bias[1])
+                hidden = swiglu_in_epilogue(h, w.w_gate, bias[0], w.w_up, bias[1])
             if hidden is None:
                 hidden = fused_layers.swiglu(self.linear(h, w.w_gate, bias[0]), self.linear(h, w.w_up, bias[1]))
             return self.linear(hidden, w.w_down, w.b_down)

@@ -279,7 +279,7 @@ def test_linear_add_equals_the_linear_plus_the_residual_and_leaves_the_residual(
 def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
     (its decode steps' 4 rows stay on torch's matmul), and with fused layers too SiLU(gate) * up
-    through `swiglu_in_epilogues`; logits equal the plain model's decoder's."""
+    through `swiglu_in_epilogue`; logits equal the plain model's decoder's."""
     from rlhf.engine import fast_decode
     from rlhf.engine.fast_decode import FastLlamaDecoder
     from rlhf.engine.fused_layers import fuse_layer_ops
@@ -295,11 +295,11 @@ def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: 
     epilogues = []
 
     def counted(*args):
-        out = cpu_matmul.swiglu_in_epilogues(*args)
+        out = cpu_matmul.swiglu_in_epilogue(*args)
         epilogues.append(out is not None)
         return out
 
-    monkeypatch.setattr(fast_decode, "swiglu_in_epilogues", counted)
+    monkeypatch.setattr(fast_decode, "swiglu_in_epilogue", counted)
     ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0

@@ -33,9 +33,10 @@ from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_ROWS", "is_plain_linear", "linear", "linear_add", "onednn_available",
-    "onednn_weight_grad", "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears",
-    "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "full_width_avx512_amd", "is_plain_linear",
+    "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad", "onednn_weight_grad_transposed",
+    "resolve_cpu_matmul", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears",
+    "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -43,8 +44,18 @@ ONEDNN_MIN_ROWS = 64
 32 rows MKL is as fast or faster; from 64 rows on oneDNN is ahead on AMD CPUs."""
 ONEDNN_MIN_DEPTH = 256
 """Shortest dot product (the GEMM's inner dimension: in_features for the forward, out_features for
-the input gradient) that oneDNN takes: the input gradient of a 98-token vocabulary's head ran at
-half MKL's rate, SmolLM2's k/v projections' (192 outputs) at 0.72x."""
+the input gradient) that oneDNN takes before Zen 5 (`onednn_min_depth`): on Zen 4 the input gradient
+of a 98-token vocabulary's head ran at half MKL's rate, SmolLM2's k/v projections' (192 outputs) at 0.72x."""
+
+ONEDNN_MIN_DEPTH_FULL_WIDTH = 64
+"""`onednn_min_depth` on Zen 5 (AMD family 0x1A on: full-width AVX-512, `full_width_avx512_amd`),
+where oneDNN runs shallow products at about twice MKL's rate: measured on a 2-core AMD EPYC Zen 5,
+scripts/bench_matmul.py's shapes and [rows, depth] @ [depth, 576], median of 40 calls: depth 64 / 128 /
+192 at 4096 rows forward 487 / 484 / 488 GFLOP/s against MKL's 213 / 214 / 222, input gradient added
+into a tensor (`_input_grad`) 396 / 450 / 455 against 226 / 227 / 227; at 768 rows 372 / 449 / 463
+against 225 / 226 / 224; SmolLM2-135M's k/v input gradient (768 x 192 -> 576) 479 against 132. At
+64 rows x depth 64 the added input gradient is 0.93x MKL's, the one shape below; depth 32 and less
+(a value head's input gradient: depth 1) stay on MKL."""
 
 
 @cache
@@ -57,6 +68,22 @@ def onednn_available() -> bool:
 def cpu_vendor() -> str:
     """The CPU's vendor id ("AuthenticAMD", "GenuineIntel", ...) from /proc/cpuinfo; "" elsewhere."""
     return cpuinfo_field("vendor_id")
+
+
+@cache
+def full_width_avx512_amd() -> bool:
+    """An AMD CPU of family 0x1A or later (Zen 5): AVX-512 FMAs at full width, where oneDNN's kernels
+    run about twice MKL's AVX2 ones even at shapes where on Zen 4 they did not (`onednn_weight_grad`,
+    `onednn_min_depth`). Decided by the CPU, not timed at start-up: every rank and a resumed run
+    take the same path."""
+    family = cpuinfo_field("cpu family")
+    return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A
+
+
+def onednn_min_depth() -> int:
+    """The shortest dot product oneDNN takes on this CPU: ONEDNN_MIN_DEPTH_FULL_WIDTH on Zen 5
+    (`full_width_avx512_amd`), ONEDNN_MIN_DEPTH elsewhere."""
+    return ONEDNN_MIN_DEPTH_FULL_WIDTH if full_width_avx512_amd() else ONEDNN_MIN_DEPTH
 
 
 def resolve_cpu_matmul(choice: str) -> str:
@@ -103,9 +130,8 @@ def onednn_weight_grad() -> bool:
     MKL 167-213 GFLOP/s, oneDNN over the transposed operand 1.35-2.10x that at the tiny Llama's
     shapes (4096 rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On Zen 4 (AVX-512 in two
     halves) it was 0.71-1.01x MKL without the transpose, so there the weight gradient stays on MKL.
-    Decided by the CPU, not timed at start-up: every rank and a resumed run take the same path."""
-    family = cpuinfo_field("cpu family")
-    return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A
+    Decided by the CPU (`full_width_avx512_amd`), not timed at start-up."""
+    return full_width_avx512_amd()
 
 
 def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -124,8 +150,8 @@ def _weight_grad_on_onednn(rows: int) -> bool:
 
 def _input_grad(grad_rows: torch.Tensor, weight: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """dY @ W [n, in] (plus `into`, added into it in place): through oneDNN where
-    its depth (out features) is at least ONEDNN_MIN_DEPTH, else torch's matmul."""
-    onednn = weight.shape[0] >= ONEDNN_MIN_DEPTH
+    its depth (out features) is at least `onednn_min_depth`, else torch's matmul."""
+    onednn = weight.shape[0] >= onednn_min_depth()
     if into is None:
         return _onednn_linear(grad_rows, weight.t(), None) if onednn else grad_rows @ weight
     if onednn:  # not in oneDNN's epilogue add (binary post-op): slower, see _OneDnnLinearAdd
@@ -250,7 +276,7 @@ def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
 def _onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """oneDNN runs x @ weight^T (+ bias): enough rows and depth, a dense weight, plain float32 CPU tensors."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (rows >= ONEDNN_MIN_ROWS and _dense_matrix(weight) and weight.shape[1] >= ONEDNN_MIN_DEPTH
+    return (rows >= ONEDNN_MIN_ROWS and _dense_matrix(weight) and weight.shape[1] >= onednn_min_depth()
             and (bias is None or bias.is_contiguous()) and _plain_cpu_float32(x, weight, bias))
 
 
@@ -296,7 +322,7 @@ def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: to
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for float32 plain tensors on the CPU with at least `ONEDNN_MIN_ROWS`
-    rows and `ONEDNN_MIN_DEPTH` input features (its input gradient: output features), the weight
+    rows and `onednn_min_depth` input features (its input gradient: output features), the weight
     stored row- or column-major."""
     if _onednn_takes(x, weight, bias):
         return _OneDnnLinear.apply(x, weight, bias)

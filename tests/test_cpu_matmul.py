@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.engine import cpu_matmul
 from rlhf.engine.cpu_matmul import (
-    ONEDNN_MIN_DEPTH, ONEDNN_MIN_ROWS, linear, onednn_available, resolve_cpu_matmul, use_onednn_linears,
-    uses_onednn_linears,
+    ONEDNN_MIN_DEPTH, ONEDNN_MIN_DEPTH_FULL_WIDTH, ONEDNN_MIN_ROWS, linear, onednn_available, onednn_min_depth,
+    resolve_cpu_matmul, use_onednn_linears, uses_onednn_linears,
 )
 from rlhf.errors import UserError
 from rlhf.models.tiny import tiny_config
@@ -73,17 +73,20 @@ def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out
 
 
 @needs_onednn
-@pytest.mark.parametrize("zen5", [True, False], ids=["onednn-weight-grad", "mkl-weight-grad"])
-@pytest.mark.parametrize("outs, bias, frozen", [((ONEDNN_MIN_DEPTH + 3, 64, 64), False, None),
+@pytest.mark.parametrize("zen5", [True, False], ids=["zen5-onednn", "zen4-mkl"])
+@pytest.mark.parametrize("outs, bias, frozen", [((ONEDNN_MIN_DEPTH + 3, 96, 32), False, None),
                                                 ((2 * ONEDNN_MIN_DEPTH + 5, 2 * ONEDNN_MIN_DEPTH + 5), True, 1)])
 def test_shared_input_linears_match_the_separate_linears(monkeypatch, zen5: bool, outs: tuple[int, ...], bias: bool,
                                                          frozen: int | None) -> None:
-    """q/k/v-like (GQA widths, one output gradient below ONEDNN_MIN_DEPTH: its input gradient takes
-    torch's matmul) and gate/up-like linears of one input through the shared backward equal the
-    separate OneDnnLinear modules: outputs to the bit, gradients up to float32 rounding (the input
-    gradients' sum in another order; the weight gradients over one transposed x); a frozen weight
-    gets none. Forwards that autograd does not record call the modules."""
+    """q/k/v-like (GQA widths: output gradients of 96 features, whose input gradient takes oneDNN on
+    Zen 5 and torch's matmul before it, and of 32, torch's matmul on both) and gate/up-like linears
+    of one input through the shared backward equal the separate OneDnnLinear modules: outputs to the
+    bit, gradients up to float32 rounding (the input gradients' sum in another order; the weight
+    gradients over one transposed x); a frozen weight gets none. Forwards that autograd does not
+    record call the modules."""
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: zen5)
+    monkeypatch.setattr(cpu_matmul, "onednn_min_depth",
+                        lambda: ONEDNN_MIN_DEPTH_FULL_WIDTH if zen5 else ONEDNN_MIN_DEPTH)
     gen = torch.Generator().manual_seed(4)
     d_in = ONEDNN_MIN_DEPTH + 9
     modules = [nn.Linear(d_in, d_out, bias=bias) for d_out in outs]
@@ -117,18 +120,49 @@ def test_shared_input_linears_match_the_separate_linears(monkeypatch, zen5: bool
         assert all(o.grad_fn is None for o in cpu_matmul.shared_input_linears(x, tuple(modules)))
 
 
-def test_onednn_weight_grad_follows_the_cpu(monkeypatch) -> None:
-    """oneDNN takes the weight gradient on AMD CPUs of family 0x1A (Zen 5) on, nowhere else."""
+def test_onednn_weight_grad_and_min_depth_follow_the_cpu(monkeypatch) -> None:
+    """oneDNN takes the weight gradient, and dot products from ONEDNN_MIN_DEPTH_FULL_WIDTH deep, on AMD
+    CPUs of family 0x1A (Zen 5) on; elsewhere MKL the weight gradient and oneDNN only from ONEDNN_MIN_DEPTH."""
     cases = [("AuthenticAMD", "26", True), ("AuthenticAMD", "27", True), ("AuthenticAMD", "25", False),
              ("GenuineIntel", "6", False), ("", "", False)]
+
+    def clear() -> None:
+        for fn in (cpu_matmul.cpu_vendor, cpu_matmul.full_width_avx512_amd, cpu_matmul.onednn_weight_grad):
+            fn.cache_clear()
+
     for vendor, family, expected in cases:
         fields = {"vendor_id": vendor, "cpu family": family}
         monkeypatch.setattr(cpu_matmul, "cpuinfo_field", fields.__getitem__)
-        cpu_matmul.cpu_vendor.cache_clear()
-        cpu_matmul.onednn_weight_grad.cache_clear()
+        clear()
         assert cpu_matmul.onednn_weight_grad() is expected, (vendor, family)
-    cpu_matmul.cpu_vendor.cache_clear()
-    cpu_matmul.onednn_weight_grad.cache_clear()
+        assert cpu_matmul.onednn_min_depth() == (ONEDNN_MIN_DEPTH_FULL_WIDTH if expected else ONEDNN_MIN_DEPTH)
+    monkeypatch.undo()
+    clear()
+
+
+@needs_onednn
+@pytest.mark.parametrize("zen5", [True, False], ids=["zen5", "before-zen5"])
+def test_shallow_linears_take_onednn_from_the_cpus_min_depth(monkeypatch, zen5: bool) -> None:
+    """A linear 96 features deep with 80 outputs (SmolLM2's k/v input gradients are 192 deep): on
+    Zen 5 (min depth ONEDNN_MIN_DEPTH_FULL_WIDTH) its forward and input gradient run oneDNN and equal
+    F.linear's up to rounding; before it (ONEDNN_MIN_DEPTH) it is F.linear, bit for bit."""
+    monkeypatch.setattr(cpu_matmul, "onednn_min_depth",
+                        lambda: ONEDNN_MIN_DEPTH_FULL_WIDTH if zen5 else ONEDNN_MIN_DEPTH)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, 96, generator=gen)
+    w = torch.randn(80, 96, generator=gen) / 96**0.5
+    grad = torch.randn(3, 50, 80, generator=gen)
+    want, got = _grads(F.linear, x, w, None, grad), _grads(linear, x, w, None, grad)
+    out = linear(x.requires_grad_(), w, None)
+    if zen5:
+        assert type(out.grad_fn).__name__ == "_OneDnnLinearBackward"
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
+    else:
+        assert type(out.grad_fn).__name__ != "_OneDnnLinearBackward"
+        assert all(torch.equal(g, r) for g, r in zip(got, want))
+    rows, weight = torch.randn(70, 32, generator=gen), torch.randn(32, 40, generator=gen)  # 32 deep: torch's matmul
+    assert torch.equal(cpu_matmul._input_grad(rows, weight), rows @ weight)
 
 
 @needs_onednn
@@ -139,7 +173,8 @@ def test_linear_takes_torch_below_its_limits() -> None:
     gen = torch.Generator().manual_seed(1)
     cases = [
         (torch.randn(ONEDNN_MIN_ROWS - 1, 300, generator=gen), torch.randn(260, 300, generator=gen)),
-        (torch.randn(128, ONEDNN_MIN_DEPTH - 1, generator=gen), torch.randn(260, ONEDNN_MIN_DEPTH - 1, generator=gen)),
+        (torch.randn(128, onednn_min_depth() - 1, generator=gen),
+         torch.randn(260, onednn_min_depth() - 1, generator=gen)),
         (torch.randn(128, 300, generator=gen).bfloat16(), torch.randn(260, 300, generator=gen).bfloat16()),
         (torch.randn(128, 300, generator=gen), torch.randn(300, 520, generator=gen)[:, :260].t()),
     ]

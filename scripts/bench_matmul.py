@@ -10,7 +10,8 @@ Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `
 the weight gradient also as `onednn_transposed` (oneDNN over a transposed operand, which Zen 5 runs:
 engine/cpu_matmul.py's weight_grad). Then a tiny model's (or --model's) forward + backward with
 every linear as `--cpu-matmul onednn` runs it (forward and input gradient on oneDNN from
-ONEDNN_MIN_ROWS rows, the weight gradient where `weight_grad_on` says) against plain nn.Linear.
+ONEDNN_MIN_ROWS rows and `onednn_min_depth` deep, the weight gradient where `weight_grad_on` says)
+against plain nn.Linear.
 The last line is one JSON object; `resolved_auto` says what `--cpu-matmul auto` picks on this machine.
 """
 
@@ -67,7 +68,7 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
 
 
 def main() -> None:
-    from rlhf.engine.cpu_matmul import onednn_weight_grad, resolve_cpu_matmul, use_onednn_linears
+    from rlhf.engine.cpu_matmul import onednn_min_depth, onednn_weight_grad, resolve_cpu_matmul, use_onednn_linears
     from rlhf.engine.flops import TransformerShape
     from rlhf.engine.fused_layers import fuse_layer_ops
 
@@ -90,6 +91,7 @@ def main() -> None:
         "train_step_onednn_speedup": round(aten_s / onednn_s, 3), "max_logit_diff": diff,
         "batch": args.batch, "seq": args.seq, "threads": torch.get_num_threads(),
         "resolved_auto": resolve_cpu_matmul("auto"), "weight_grad_on": "onednn" if onednn_weight_grad() else "aten",
+        "onednn_min_depth": onednn_min_depth(),
     }))
 
 

@@ -33,10 +33,10 @@ from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "full_width_avx512_amd", "is_plain_linear",
-    "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad", "onednn_weight_grad_transposed",
-    "resolve_cpu_matmul", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears",
-    "uses_onednn_linears", "weight_grad",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "full_width_avx512_amd",
+    "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad",
+    "onednn_weight_grad_transposed", "resolve_cpu_matmul", "shared_input_linears", "swiglu_in_epilogue",
+    "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64

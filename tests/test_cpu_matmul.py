@@ -213,8 +213,9 @@ def test_swapped_model_matches_and_keeps_its_parameters() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool) -> None:
     """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from oneDNN (swish in the
-    gate's epilogue, the up projection's output multiplied in place) and matches torch's ops to rounding; with autograd, or a plain
-    nn.Linear, or too few rows, there is no such path (None: the caller's own)."""
+    gate's epilogue, the up projection's output multiplied in place) and matches torch's ops to
+    rounding; with autograd, or a plain nn.Linear, or too few rows, there is no such path (None: the
+    caller's own)."""
     gen = torch.Generator().manual_seed(0)
     gate, up = nn.Linear(256, 344, bias=bias), nn.Linear(256, 344, bias=bias)
     with torch.no_grad():

@@ -209,14 +209,25 @@ def _activation(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 # -- the decoder --------------------------------------------------------------------------------
 
 
+def kv_cache_halved(choice: KVCacheDtype, model_dtype: torch.dtype, device: torch.device,
+                    model_type: str | None = None) -> bool:
+    """Whether the fast decoder keeps a float16 cache for SamplingParams.kv_cache_dtype `choice`
+    ("auto" or "fp16": a float32 model on the CPU); with `model_type` (a config's), also whether
+    the fast decoder runs that family at all (the Hugging Face forward keeps the model's dtype)."""
+    family = model_type is None or model_type in SUPPORTED_MODEL_TYPES
+    return choice != "model" and model_dtype == torch.float32 and device.type == "cpu" and family
+
+
 def kv_cache_torch_dtype(choice: KVCacheDtype, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The fast decoder's cache dtype for SamplingParams.kv_cache_dtype: "fp16" halves a float32
     model's cache on the CPU (the fused step's kernels widen it as they read); elsewhere (a 16-bit
-    model, a GPU) the cache stays in the model's dtype, which is logged once."""
-    if choice == "auto":
-        return model_dtype
-    if model_dtype == torch.float32 and device.type == "cpu":
+    model, a GPU) the cache stays in the model's dtype, which is logged once. "model": the model's
+    dtype; "auto": fp16 where it applies (as llama.cpp keeps its cache), silently the model's
+    dtype elsewhere."""
+    if kv_cache_halved(choice, model_dtype, device):
         return torch.float16
+    if choice != "fp16":
+        return model_dtype
     reason = f"kv_cache_dtype fp16 applies to float32 models on the CPU; this one is {model_dtype} on {device.type}"
     if reason not in _logged_cache_notes:
         _logged_cache_notes.add(reason)
@@ -251,9 +262,9 @@ class FastLlamaDecoder:
     (engine/decode_graph.py; "auto" = on CUDA with RLHF_CUDA_GRAPH_DECODE=1, until a GPU session
     has validated it; True on the CPU runs that static step eagerly, as the tests do).
 
-    `kv_cache_dtype` "fp16" (kv_cache_torch_dtype: a float32 model on the CPU) keeps the cache in
-    float16: every write rounds, the fused step's kernels widen what they read, and the Python
-    step attends over the cache widened back, so both compute the same rounded-cache model.
+    `kv_cache_dtype` "fp16" or "auto" (kv_cache_torch_dtype: a float32 model on the CPU) keeps the
+    cache in float16: every write rounds, the fused step's kernels widen what they read, and the
+    Python step attends over the cache widened back, so both compute the same rounded-cache model.
     `cache_dtype` says which dtype the cache holds.
     """
 
@@ -261,7 +272,7 @@ class FastLlamaDecoder:
         self, model: nn.Module, batch: int, max_len: int,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
         attention_kernel: bool | Literal["auto"] = "auto", packed_gemm: bool | Literal["auto"] = "auto",
-        cuda_graph: bool | Literal["auto"] = "auto", kv_cache_dtype: KVCacheDtype = "auto",
+        cuda_graph: bool | Literal["auto"] = "auto", kv_cache_dtype: KVCacheDtype = "model",
     ) -> None:
         reason = fast_decode_unsupported_reason(model)
         if reason is not None:

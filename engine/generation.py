@@ -165,7 +165,7 @@ _logged_fallbacks: set[str] = set()
 
 
 def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Literal["auto"] = "auto",
-                  kv_cache_dtype: KVCacheDtype = "auto") -> StepRunner:
+                  kv_cache_dtype: KVCacheDtype = "model") -> StepRunner:
     """The fast decoder where it supports `model` (and `fast` allows it), else the HF forward.
 
     fast=True insists on the fast path (ValueError naming the reason when it cannot run);
@@ -184,7 +184,7 @@ def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Liter
         _logged_fallbacks.add(reason)
         log.info("generate: using the Hugging Face forward (no fast decoder: %s)%s", reason,
                  "; its KV cache stays in the model's dtype (kv_cache_dtype fp16 is the fast decoder's)"
-                 if kv_cache_dtype != "auto" else "")
+                 if kv_cache_dtype == "fp16" else "")
     return HFForwardRunner(model, max_len)
 
 

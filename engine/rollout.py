@@ -275,13 +275,14 @@ class Rollout:
         return max_diff
 
 
-def default_parity_tolerance(dtype: str, kv_cache_dtype: str = "auto") -> float:
+def default_parity_tolerance(dtype: str, halved_kv_cache: bool = False) -> float:
     """Max log-prob difference tolerated between modes: tight in fp32, loose in 16-bit. A float16
-    KV cache under an fp32 model rounds every cached key and value: on SmolLM2-135M its rollout
-    log-probs differ from the training forward's by up to ~9e-3 (mean ~9e-4), so 0.05."""
+    KV cache under an fp32 model (`halved_kv_cache`, engine/fast_decode.py's kv_cache_halved) rounds
+    every cached key and value: on SmolLM2-135M its rollout log-probs differ from the training
+    forward's by up to ~9e-3 (mean ~9e-4), so 0.05."""
     if dtype != "fp32":
         return 0.15
-    return 0.05 if kv_cache_dtype == "fp16" else 1e-3
+    return 0.05 if halved_kv_cache else 1e-3
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-KVCacheDtype = Literal["auto", "fp16"]
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16")
+KVCacheDtype = Literal["auto", "model", "fp16"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "model", "fp16")
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,12 @@ class SamplingParams:
     """At those checks, once a quarter of the rows still decoded have finished (EOS), drop them
     from the decode batch (their KV cache rows too): the rest decode on fewer rows, drawing the
     tokens they would have drawn."""
-    kv_cache_dtype: KVCacheDtype = "auto"
-    """The fast decoder's KV cache: "auto" in the model's dtype; "fp16" keeps a float32 model's keys
-    and values in float16 on the CPU (rounded as they are written, widened as they are read): half
-    the cache's memory and of the bytes each decode step reads (engine/fast_decode.py)."""
+    kv_cache_dtype: KVCacheDtype = "model"
+    """The fast decoder's KV cache: "model" in the model's dtype (the default here: generate() matches
+    the model's own forward); "fp16" keeps a float32 model's keys and values in float16 on the CPU
+    (rounded as they are written, widened as they are read): half the cache's memory and of the
+    bytes each decode step reads; "auto" is fp16 where that applies, else the model's dtype
+    (engine/fast_decode.py's kv_cache_torch_dtype; `rlhf ppo`'s default)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

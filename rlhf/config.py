@@ -186,7 +186,7 @@ AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "
 LossAggregation = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPlacement = Literal["auto", "reward", "loss"]
 ImportanceRatio = Literal["token", "sequence"]
-KVCacheDtype = Literal["auto", "fp16"]  # engine/sampling.py's KV_CACHE_DTYPES
+KVCacheDtype = Literal["auto", "model", "fp16"]  # engine/sampling.py's KV_CACHE_DTYPES
 # Estimators that compare a prompt's samples with each other: they need --samples-per-prompt >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
@@ -246,7 +246,7 @@ class PPOConfig(RunConfig):
     inference_tp_size: int = bounded(1, ge=1)
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
     rollout_parity_tolerance: float | None = bounded(None, ge=0)
-    """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.05 fp32 with --kv-cache-dtype fp16, 0.15 bf16/fp16)."""
+    """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.05 fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), 0.15 bf16/fp16)."""
     rollout_parity_every: int = bounded(10, ge=1)
     """The rollout parity check (a train-mode forward of two rows) runs on a run's first rollout (a resume's too) and then every this many iterations; 1: every iteration. Between checks, old_logprob_diff_* compare generation's log-probs with the training forward on every token."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0)
@@ -254,7 +254,7 @@ class PPOConfig(RunConfig):
     recompute_old_logprobs: bool = False
     """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one forward pass more per iteration)."""
     old_logprob_tolerance: float | None = bounded(None, ge=0)
-    """Max |difference| between generation's log-probs and the training forward's (measured every iteration, logged as old_logprob_diff_max/mean) before PPO recomputes them for the rest of the run (default: 1e-3 fp32, 0.05 fp32 with --kv-cache-dtype fp16, 0.15 bf16/fp16)."""
+    """Max |difference| between generation's log-probs and the training forward's (measured every iteration, logged as old_logprob_diff_max/mean) before PPO recomputes them for the rest of the run (default: 1e-3 fp32, 0.05 fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), 0.15 bf16/fp16)."""
     max_prompt_len: int = bounded(256, ge=1)
     """Prompts longer than this many tokens are dropped and counted."""
     max_new_tokens: int = bounded(128, ge=1)
@@ -274,7 +274,7 @@ class PPOConfig(RunConfig):
     greedy: bool = False
     """Greedy rollouts (for debugging and tests; PPO needs sampling to explore)."""
     kv_cache_dtype: KVCacheDtype = "auto"
-    """Rollout KV cache dtype: auto = the model's; fp16 keeps a float32 model's keys and values in float16 on the CPU fast decoder (half the cache memory and the bytes a decode step reads: faster decode steps at long responses; generation's log-probs then differ from the training forward's, by up to ~1e-2 on SmolLM2-135M: measured every iteration as old_logprob_diff_max, and the default tolerances loosen to 0.05). A 16-bit model or a GPU keeps the model's dtype."""
+    """Rollout KV cache dtype: auto (default) = float16 for a float32 model on the CPU's fast decoder (Llama, Qwen2, Mistral), as llama.cpp keeps its cache, else the model's dtype; model = always the model's dtype (rollouts exactly the model's own forward); fp16 = auto, with a note where it does not apply. The float16 cache halves the cache memory and the bytes a decode step reads: decode steps ~40% faster at 300 cached tokens on a 2-core Zen 5. Generation's log-probs then differ from the float32 training forward's, by ~4e-4 on the peers' tiny Llama and up to ~1e-2 on SmolLM2-135M: measured every iteration as old_logprob_diff_max, and the default tolerances are 0.05 there. A 16-bit model or a GPU keeps the model's dtype."""
     offload_ref: bool = False
     """Keep the frozen reference model's shards on CPU."""
     offload_reward: bool = False

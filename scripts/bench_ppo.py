@@ -100,8 +100,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                         help="rlhf ppo --no-fused-layers: Hugging Face's own RMSNorm/RoPE/SwiGLU/attention modules")
     parser.add_argument("--cpu-matmul", default="auto", help="rlhf ppo --cpu-matmul: auto, aten or onednn")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp16"),
-                        help="rlhf ppo --kv-cache-dtype: fp16 halves a float32 model's rollout KV cache on the CPU")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "model", "fp16"),
+                        help="rlhf ppo --kv-cache-dtype: auto/fp16 halve a float32 model's rollout KV cache on the "
+                        "CPU; model keeps the model's dtype")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
                         "figures are each side's median run, every run's rate listed under `repeats`")
     args = parser.parse_args()
@@ -338,9 +339,12 @@ def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_frac
     The bandwidth is a sustained read (a second) of a buffer the size of what a mean step reads,
     its cache and the weights: a step's working set, which on a small CPU outgrows the last-level
     cache (a cache-sized buffer read alone would credit the reads at cache speed)."""
+    from rlhf.engine.fast_decode import kv_cache_halved
+
     shape, dtype = model_shape(model, args)
     element = torch.finfo(dtype).bits // 8
-    cached = 2 if args.kv_cache_dtype == "fp16" and dtype == torch.float32 else element  # bytes a cached value takes
+    halved = kv_cache_halved(args.kv_cache_dtype, dtype, torch.device("cpu"))
+    cached = 2 if halved else element  # bytes a cached value takes
     position_bytes = shape.layers * 2 * shape.kv_dim * cached
     steps = max(round(ours["response_tokens_mean"]) - 1, 0)
     positions = steps * args.prompt_len + steps * (steps + 1) // 2  # step t reads prompt + t positions

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine.cpu_decode import load_cpu_decode_op
 from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
-from rlhf.engine.fast_decode import FastLlamaDecoder
+from rlhf.engine.fast_decode import FastLlamaDecoder, kv_cache_halved
 from rlhf.engine import generation
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
@@ -190,9 +190,18 @@ def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, sha
 
 
 def test_fp16_kv_cache_is_for_float32_models_on_the_cpu() -> None:
-    model = _model(*SHAPES["llama-gqa"]).to(torch.bfloat16)
-    decoder = FastLlamaDecoder(model, 2, 8, kv_cache_dtype="fp16")
-    assert decoder.cache_dtype == torch.bfloat16  # a 16-bit model's cache is already 16-bit
+    model = _model(*SHAPES["llama-gqa"])
+    assert FastLlamaDecoder(model, 2, 8).cache_dtype == torch.float32  # generate()'s default: "model"
+    assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype="model").cache_dtype == torch.float32
+    assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype="auto").cache_dtype == torch.float16  # rlhf ppo's default
+    model = model.to(torch.bfloat16)
+    for choice in ("auto", "fp16"):  # a 16-bit model's cache is already 16-bit
+        assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype=choice).cache_dtype == torch.bfloat16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kv_cache_halved("auto", torch.float32, cpu, "llama") and kv_cache_halved("fp16", torch.float32, cpu)
+    assert not kv_cache_halved("model", torch.float32, cpu, "llama")
+    assert not kv_cache_halved("auto", torch.float32, cuda, "llama")
+    assert not kv_cache_halved("auto", torch.float32, cpu, "gpt2")  # the Hugging Face forward's own cache
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         SamplingParams(max_new_tokens=4, pad_token_id=0, kv_cache_dtype="fp8")
 

@@ -78,15 +78,21 @@ def test_ppo_takes_generation_logprobs_and_logs_their_drift(tiny_model_dirs, pro
         assert a["kl"] == pytest.approx(b["kl"], abs=1e-5)
 
 
-def test_fp16_kv_cache_rollouts_take_their_own_logprobs_within_the_looser_tolerance(tiny_model_dirs, prompts,
-                                                                                     tmp_path) -> None:
-    """--kv-cache-dtype fp16: generation's log-probs (of the policy that sampled, over the rounded
-    cache) are PPO's old log-probs; their drift from the float32 training forward shows, below
-    the 0.05 default tolerance, so nothing is recomputed."""
-    rows = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "ppo", "--kv-cache-dtype", "fp16")
-    assert [r["old_logprobs_recomputed"] for r in rows] == [0.0, 0.0]
-    for row in rows:
-        assert 0 < row["old_logprob_diff_max"] < 0.05
+@pytest.mark.parametrize("kv_cache_dtype", ["default", "fp16"])
+def test_fp16_kv_cache_rollouts_take_their_own_logprobs_within_the_looser_tolerance(tiny_model_dirs, prompts, tmp_path,
+                                                                                     kv_cache_dtype: str) -> None:
+    """A float16 KV cache (the CPU's default for a float32 Llama, `auto`, or `fp16`): generation's
+    log-probs (of the policy that sampled, over the rounded cache) are PPO's old log-probs; their
+    drift from the float32 training forward shows, below the 0.05 default tolerance, so nothing is
+    recomputed. `--kv-cache-dtype model` keeps the float32 cache: the drift is a float32 rounding."""
+    chosen = [] if kv_cache_dtype == "default" else ["--kv-cache-dtype", kv_cache_dtype]
+    rows = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "ppo", *chosen)
+    exact = _ppo(tiny_model_dirs["llama"], prompts, tmp_path / "exact", "--kv-cache-dtype", "model")
+    assert [r["old_logprobs_recomputed"] for r in rows + exact] == [0.0] * 4
+    for row, float32 in zip(rows, exact):
+        # ~1e-6 against ~1e-5 here (6 tokens of a tiny model; ~4e-4 on the peers' at 64 tokens)
+        assert float32["old_logprob_diff_max"] < 1e-5
+        assert float32["old_logprob_diff_max"] < row["old_logprob_diff_max"] < 0.05
 
 
 def test_drift_beyond_the_tolerance_switches_to_recomputing(tiny_model_dirs, prompts, tmp_path) -> None:
@@ -215,7 +221,9 @@ def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts, estimator: str
     args = ["ppo", "--actor", str(actor), "--reward", str(reward), "--data", str(prompts), "--max-steps", "1",
             "--max-new-tokens", "6", "--dtype", "fp32", "--zero-stage", "3", "--report-to", "none",
             "--optimizer-impl", "torch", "--lr", "1e-3", "--max-tokens-per-micro-batch", "30",
-            "--advantage-estimator", estimator, *sampling]
+            "--advantage-estimator", estimator, "--kv-cache-dtype", "model", *sampling]
+    # The model's KV cache: a float16 one rounds keys and values that differ in their last bit
+    # between 1 and 2 ranks (different GEMM blockings) to values a half-ulp apart, ~1e-5 in the metrics.
     a, b = one_and_two_rank_metrics(args, tmp_path)
     keys = ("score_mean", "kl", "actor_grad_norm") + (("critic_grad_norm",) if estimator == "gae" else ())
     for key in keys:

@@ -143,7 +143,9 @@ def test_ppo_resume_on_a_tied_model_continues_exactly(tied_models, data, tmp_pat
 def test_two_rank_tp2_rollout_on_a_tied_model_matches_one_rank(family: str, tied_models, data, tmp_path: Path) -> None:
     args = ["ppo", "--actor", str(tied_models[family]), "--critic", str(tied_models[family]), "--reward-fn", "sort",
             "--data", str(data["prompts"]), "--max-steps", "1", "--max-new-tokens", "6", "--greedy", "--lr", "1e-3",
-            "--ppo-epochs", "1", *FAST]
+            "--ppo-epochs", "1", "--kv-cache-dtype", "model", *FAST]
+    # The model's KV cache on both sides: the tensor-parallel rollout runs the Hugging Face forward,
+    # whose cache is the model's dtype, where one rank's fast decoder would default to float16.
     a, b = one_and_two_rank_metrics(args, tmp_path)
     for key in ("score_mean", "kl", "response_length", "policy_loss", "value_loss", "entropy"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key

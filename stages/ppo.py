@@ -283,8 +283,8 @@ class PPOTrainer:
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
-        halved = kv_cache_halved(config.kv_cache_dtype, torch.float32 if self.actor.dtype == "fp32" else torch.bfloat16,
-                                 ctx.device, self.actor.model.config.model_type)
+        halved = self.actor.dtype == "fp32" and kv_cache_halved(config.kv_cache_dtype, torch.float32, ctx.device,
+                                                                 self.actor.model.config.model_type)
         default_tolerance = default_parity_tolerance(self.actor.dtype, halved)
         self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
                                       else default_tolerance)

@@ -160,11 +160,12 @@ def test_attention_kernels_match_sdpa(op, isa_index: int, heads: int, kv_heads: 
         _close(got, torch.nan_to_num(t.grad), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 3), (1023, 17), (16, 48), (259, 4099), (1_000_007, 1),
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 3), (1023, 17), (16, 48), (1040, 48), (259, 4099), (1_000_007, 1),
                                         (1, 1_000_007)])
 def test_transpose_is_torchs_transposed_copy(op, rows: int, cols: int) -> None:
-    """Every kernel set's transpose (whole register tiles, edges, row blocks split across threads)
-    gives x.t().contiguous() exactly, and `transposed` takes the op for plain matrices only."""
+    """Every kernel set's transpose (whole register tiles, edges, row blocks split across threads and
+    256-row blocks within them) gives x.t().contiguous() exactly, and `transposed` takes the op for
+    plain matrices only."""
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols))
     want = x.t().contiguous()
     for isa in op.supported_isas():

@@ -59,6 +59,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_state_dict
 from rlhf.engine.fast_decode import kv_cache_halved
+from rlhf.engine.fsdp import COMPUTE_DTYPES
 from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
 from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
@@ -283,8 +284,8 @@ class PPOTrainer:
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
-        halved = self.actor.dtype == "fp32" and kv_cache_halved(config.kv_cache_dtype, torch.float32, ctx.device,
-                                                                 self.actor.model.config.model_type)
+        halved = kv_cache_halved(config.kv_cache_dtype, COMPUTE_DTYPES[self.actor.dtype], ctx.device,
+                                 self.actor.model.config.model_type)
         default_tolerance = default_parity_tolerance(self.actor.dtype, halved)
         self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
                                       else default_tolerance)

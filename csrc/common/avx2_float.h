@@ -116,6 +116,8 @@ struct Avx2Vec : Avx2Float {
     const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
   }
+  // exp(x) for x <= 0 (a score less its row's maximum): exp itself on AVX2.
+  RLHF_AVX2_FN T exp_nonpositive(T x) { return exp(x); }
 };
 
 }  // namespace rlhf

@@ -32,6 +32,7 @@ struct ScalarVec {
     out[3] = d;
   }
   static inline T exp(T a) { return std::exp(a); }
+  static inline T exp_nonpositive(T a) { return std::exp(a); }
   static inline T keep_first(T x, int64_t n) { return n > 0 ? x : -INFINITY; }
   static inline T keep_from(T x, int64_t n) { return n > 0 ? -INFINITY : x; }
   static inline T keep_where(T x, const uint8_t* m) { return *m != 0 ? x : -INFINITY; }

@@ -25,7 +25,8 @@ step's packed GEMM (rlhf_cpu_decode.panel_linear, ~2x torch at a step's 32 rows:
 the decode reference was torch's alone, which credited generation with a rate its steps beat),
 all of them over and over for a quarter second, the best of four such windows: a sustained rate,
 as the iteration's is; measured after each of our runs, each phase's fastest measurement used),
-over the measured iteration time;
+over the measured iteration time (with --repeats, `repeats.compute_bound_fraction` lists each run
+against the references measured right after it: the spread a shared VM's spells give the figure);
 `phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary matmuls at that rate.
 `compute_bound_fraction_torch_decode` counts the decode steps at torch's rate instead (as sessions
 1-13 did), for comparison with earlier figures.
@@ -104,7 +105,8 @@ def parse_args() -> argparse.Namespace:
                         help="rlhf ppo --kv-cache-dtype: auto/fp16 halve a float32 model's rollout KV cache on the "
                         "CPU; model keeps the model's dtype")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
-                        "figures are each side's median run, every run's rate listed under `repeats`")
+                        "figures are each side's median run; every run's rate, and its fraction against the references "
+                        "measured right after it, listed under `repeats`")
     args = parser.parse_args()
     if args.repeats < 1 or args.iterations <= (args.warmup or 0):
         parser.error("--repeats must be >= 1 and --iterations above --warmup")
@@ -413,7 +415,11 @@ def bench(args: argparse.Namespace, workdirs: list[str]) -> None:
                   "kv_cache_dtype": args.kv_cache_dtype},
     }
     if args.repeats > 1:
+        # Each run against the references measured right after it (the headline figure is stricter:
+        # the median run against each phase's fastest reference of all the runs).
         result["repeats"] = {"completions_per_s": [r["completions_per_s"] for r in ours_runs],
+                             "compute_bound_fraction": [compute_bound(run, rate)["compute_bound_fraction"]
+                                                        for run, rate in zip(ours_runs, rates)],
                              "peer": [r.get("samples_per_s", r.get("completions_per_s")) for r in peer_runs]}
     if args.peer_trl:
         peer = median_run(peer_runs, "samples_per_s" if args.advantage_estimator == "gae" else "completions_per_s")

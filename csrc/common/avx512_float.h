@@ -73,18 +73,8 @@ struct Avx512Vec {
   RLHF_AVX512_FN T exp(T x) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
     x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-    T n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    T y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    T n;
+    const T y = exp_reduced(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), &n);
     const __m512i exponent =
         _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(y, _mm512_castsi512_ps(exponent)));
@@ -95,9 +85,17 @@ struct Avx512Vec {
   // same product as y times 2^n's bits wherever the result is not masked to 0).
   RLHF_AVX512_FN T exp_nonpositive(T x) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-    T n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    T n;
+    const T y = exp_reduced(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), &n);
+    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), y, n);
+  }
+
+ private:
+  // exp(x) = y 2^n for x in [-88.38, 88.38]: n = floor(x log2(e) + 1/2), y = exp(x - n ln 2) by
+  // Cephes' degree-5 polynomial (ln 2 in two parts).
+  RLHF_AVX512_FN T exp_reduced(T x, T* n_out) {
+    const T n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
     T y = _mm512_set1_ps(1.9875691500e-4f);
@@ -106,8 +104,8 @@ struct Avx512Vec {
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), y, n);
+    *n_out = n;
+    return _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
   }
 };
 

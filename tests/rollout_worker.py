@@ -14,7 +14,7 @@ import json
 import torch
 
 from rlhf.engine.config import EngineConfig
-from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.distributed import DistributedContext, exit_rank
 from rlhf.engine.fsdp import local_shard
 from rlhf.engine.rollout import RolloutParityError, rollout_mode
 from rlhf.engine.sampling import SamplingParams
@@ -75,7 +75,10 @@ def main() -> None:
             json.dump({"sequences": out.sequences.tolist(), "action_mask": out.action_mask.tolist(),
                        "parity": parity, "unchanged": unchanged, "caught": caught, "released": released,
                        "reused": reused, "restored": restored}, f)
+    world_size = ctx.world_size
     ctx.shutdown()
+    if world_size > 1:
+        exit_rank(0)  # as the CLI ends a rank: no interpreter finalization (exit_rank says why)
 
 
 if __name__ == "__main__":

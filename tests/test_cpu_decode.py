@@ -157,6 +157,33 @@ def test_panel_linear_is_the_packed_projection(op, rows: int) -> None:
         op.panel_linear(x, panels, d_out + 16)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 32, 301])
+def test_panel_swiglu_is_silu_of_gate_times_up(op, rows: int) -> None:
+    """panel_swiglu over pack_swiglu_panels (the SwiGLU MLP's activation with both products kept in
+    registers) equals silu(x @ gate_t) * (x @ up_t) to float32 rounding on every kernel set, the
+    same bits on AVX2 and AVX-512 (each product one multiply-add chain over k in order on both),
+    partial last panels, rows past the last whole block and odd widths included; refuses weights
+    of different shapes and panels of the wrong shape."""
+    gen = torch.Generator().manual_seed(7)
+    for d_in, ffn in ((256, 98), (37, 211), (64, 16), (64, 48)):
+        x = torch.randn(rows, d_in, generator=gen)
+        gate_t, up_t = (torch.randn(d_in, ffn, generator=gen) / d_in**0.5 for _ in range(2))
+        panels = op.pack_swiglu_panels(gate_t, up_t)
+        assert panels.shape == (2 * -(-ffn // 16), d_in, 16)
+        want = (torch.nn.functional.silu(x.double() @ gate_t.double()) * (x.double() @ up_t.double())).float()
+        got = {isa: op.panel_swiglu(x, panels, ffn, isa=isa) for isa in op.supported_isas()}
+        for isa, out in got.items():
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=isa)
+        if "avx512" in got:
+            assert torch.equal(got["avx2"], got["avx512"])
+        # an [ffn, in] weight viewed transposed packs the same
+        assert torch.equal(op.pack_swiglu_panels(gate_t.t().contiguous().t(), up_t.t().contiguous().t()), panels)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        op.pack_swiglu_panels(gate_t, up_t[:, 1:])
+    with pytest.raises(RuntimeError, match="panels"):
+        op.panel_swiglu(x, panels, ffn + 16)
+
+
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-mha-biases"])
 def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, shape: str) -> None:
     """kv_cache_dtype="fp16": every kernel set rounds this step's key and value into the float16

@@ -211,11 +211,30 @@ def test_swapped_model_matches_and_keeps_its_parameters() -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool) -> None:
-    """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from oneDNN (swish in the
-    gate's epilogue, the up projection's output multiplied in place) and matches torch's ops to
-    rounding; with autograd, or a plain nn.Linear, or too few rows, there is no such path (None: the
-    caller's own)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool, packed: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from a GEMM epilogue and
+    matches torch's ops to rounding: the packed SwiGLU GEMM (rlhf_cpu_decode.panel_swiglu) where
+    there are no biases and `packed_swiglu_op` has it, else oneDNN (swish in the gate's epilogue,
+    the up projection's output multiplied in place); with autograd, or a plain nn.Linear, or too
+    few rows, there is no such path (None: the caller's own)."""
+    if packed and cpu_matmul.packed_swiglu_op() is None:
+        pytest.skip("no AVX-512 rlhf_cpu_decode op here")
+    calls = []
+    if packed:
+        real = cpu_matmul.packed_swiglu_op()
+
+        class Counted:
+            pack_swiglu_panels = real.pack_swiglu_panels
+
+            def panel_swiglu(self, *args):
+                calls.append(args)
+                return real.panel_swiglu(*args)
+
+        monkeypatch.setattr(cpu_matmul, "packed_swiglu_op", Counted)
+    else:
+        monkeypatch.setattr(cpu_matmul, "packed_swiglu_op", lambda: None)
     gen = torch.Generator().manual_seed(0)
     gate, up = nn.Linear(256, 344, bias=bias), nn.Linear(256, 344, bias=bias)
     with torch.no_grad():
@@ -230,6 +249,7 @@ def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool) -> N
         got = cpu_matmul.swiglu_linears(x, gate, up)
         assert got is not None and got.shape == (3, 40, 344)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert len(calls) == (packed and not bias)
         assert cpu_matmul.swiglu_linears(x, plain_gate, plain_up) is None
         assert cpu_matmul.swiglu_linears(x[:, :1], gate, up) is None  # 3 rows: MKL's
     assert cpu_matmul.swiglu_linears(x, gate, up) is None  # autograd on: the fused SwiGLU's backward

@@ -105,31 +105,53 @@ struct Layer {
   float input_eps = 0, post_eps = 0;
 };
 
+int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_packable(const at::Tensor& w_t, const char* fn) {
+  TORCH_CHECK(w_t.dim() == 2 && w_t.device().is_cpu() && w_t.scalar_type() == at::kFloat,
+              "rlhf_cpu_decode.", fn, ": the weight must be a [in, out] float32 CPU tensor");
+}
+
+// Panel p of w_t [in, out] (any strides) into dst [in, kPanelColumns], which is zero past `out`.
+// Reads in the source's own order: along a row of w_t where its columns are adjacent (a
+// transposed copy), else down a column (a [out, in] weight's row, viewed transposed).
+void pack_panel(const at::Tensor& w_t, int64_t p, float* dst) {
+  const int64_t in = w_t.size(0), out = w_t.size(1);
+  const int64_t row_stride = w_t.stride(0), col_stride = w_t.stride(1);
+  const int64_t cols = std::min(kPanelColumns, out - p * kPanelColumns);
+  const float* src = w_t.data_ptr<float>() + p * kPanelColumns * col_stride;
+  if (col_stride == 1) {
+    for (int64_t k = 0; k < in; ++k) std::memcpy(dst + k * kPanelColumns, src + k * row_stride, cols * sizeof(float));
+  } else {
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t k = 0; k < in; ++k) dst[k * kPanelColumns + c] = src[c * col_stride + k * row_stride];
+  }
+}
+
 // w_t [in, out] (any strides) packed for panel_gemm: [ceil(out / 16), in, 16], zero past `out`.
 at::Tensor pack_panels(const at::Tensor& w_t) {
-  TORCH_CHECK(w_t.dim() == 2 && w_t.device().is_cpu() && w_t.scalar_type() == at::kFloat,
-              "rlhf_cpu_decode.pack_panels: the weight must be a [in, out] float32 CPU tensor");
-  const int64_t in = w_t.size(0), out = w_t.size(1), panels = (out + kPanelColumns - 1) / kPanelColumns;
+  check_packable(w_t, "pack_panels");
+  const int64_t in = w_t.size(0), panels = divup(w_t.size(1), kPanelColumns);
   at::Tensor packed = at::zeros({panels, in, kPanelColumns}, w_t.options());
-  const float* src = w_t.data_ptr<float>();
-  const int64_t row_stride = w_t.stride(0), col_stride = w_t.stride(1);
   float* dst = packed.data_ptr<float>();
-  // Reads in the source's own order: along a row of w_t where its columns are adjacent (a
-  // transposed copy), else down a column (a [out, in] weight's row, viewed transposed).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(kPanelColumns, out - p * kPanelColumns);
-      const float* panel_src = src + p * kPanelColumns * col_stride;
-      float* panel_dst = dst + p * in * kPanelColumns;
-      if (col_stride == 1) {
-        for (int64_t k = 0; k < in; ++k)
-          std::memcpy(panel_dst + k * kPanelColumns, panel_src + k * row_stride, cols * sizeof(float));
-      } else {
-        for (int64_t c = 0; c < cols; ++c)
-          for (int64_t k = 0; k < in; ++k)
-            panel_dst[k * kPanelColumns + c] = panel_src[c * col_stride + k * row_stride];
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) pack_panel(w_t, p, dst + p * in * kPanelColumns);
+  });
+  return packed;
+}
+
+// A SwiGLU MLP's gate_t and up_t [in, ffn] packed for panel_swiglu: their panels interleaved,
+// [2 ceil(ffn / 16), in, 16] (gate's panel q at 2q, up's at 2q + 1).
+at::Tensor pack_swiglu_panels(const at::Tensor& gate_t, const at::Tensor& up_t) {
+  check_packable(gate_t, "pack_swiglu_panels");
+  check_packable(up_t, "pack_swiglu_panels");
+  TORCH_CHECK(gate_t.sizes() == up_t.sizes(), "rlhf_cpu_decode.pack_swiglu_panels: gate and up differ in shape: ",
+              gate_t.sizes(), " vs ", up_t.sizes());
+  const int64_t in = gate_t.size(0), panels = divup(gate_t.size(1), kPanelColumns);
+  at::Tensor packed = at::zeros({2 * panels, in, kPanelColumns}, gate_t.options());
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, 2 * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) pack_panel(p % 2 == 0 ? gate_t : up_t, p / 2, dst + p * in * kPanelColumns);
   });
   return packed;
 }
@@ -152,8 +174,6 @@ void add_linear(at::Tensor residual, const at::Tensor& x, const at::Tensor& w_t,
 at::Tensor cols(const at::Tensor& t, int64_t begin, int64_t end) {
   return t.defined() ? t.narrow(t.dim() - 1, begin, end - begin) : t;
 }
-
-int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // fn(c0, c1) over slices of [0, columns) on torch's intra-op threads, one slice per thread
 // (slices are multiples of kPanelColumns). A GEMM called inside a parallel region runs on one
@@ -430,6 +450,24 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   return out;
 }
 
+// silu(x @ gate_t) * (x @ up_t) [rows, ffn] through panel_swiglu, `panels` being
+// pack_swiglu_panels(gate_t, up_t): the SwiGLU MLP's activation without its two [rows, ffn]
+// products ever written, one slice of output panels per intra-op thread.
+at::Tensor panel_swiglu(const at::Tensor& x, const at::Tensor& panels, int64_t ffn, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rlhf_cpu_decode.panel_swiglu: x must be a contiguous [rows, in] float32 CPU tensor");
+  const int64_t in = x.size(1);
+  TORCH_CHECK(ffn >= 1, "rlhf_cpu_decode.panel_swiglu: ffn must be >= 1, got ", ffn);
+  check_weight(panels, "panels", {2 * divup(ffn, kPanelColumns), in, kPanelColumns});
+  std::string chosen;
+  const Kernels& kernels = resolve_isa(isa, chosen);
+  at::Tensor out = at::empty({x.size(0), ffn}, x.options());
+  const PanelGemmArgs args{x.data_ptr<float>(), in, x.size(0), in, panels.data_ptr<float>(), nullptr,
+                           out.data_ptr<float>(), ffn, false};
+  for_column_chunks(ffn, [&](int64_t c0, int64_t c1) { kernels.panel_swiglu(args, c0, c1); });
+  return out;
+}
+
 // One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, double temperature, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat,
@@ -570,6 +608,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &rlhf_decode::panel_linear, py::arg("x"), py::arg("panels"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("isa") = "auto",
         "x [rows, in] @ w_t (+ bias) through the step's packed GEMM over pack_panels(w_t) -> [rows, out_features].",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_swiglu_panels", &rlhf_decode::pack_swiglu_panels, py::arg("gate_t"), py::arg("up_t"),
+        "A SwiGLU MLP's [in, ffn] gate and up weights packed for panel_swiglu: [2 ceil(ffn / 16), in, 16].");
+  m.def("panel_swiglu", &rlhf_decode::panel_swiglu, py::arg("x"), py::arg("panels"), py::arg("ffn"),
+        py::arg("isa") = "auto",
+        "silu(x @ gate_t) * (x @ up_t) [rows, ffn] over pack_swiglu_panels(gate_t, up_t), the products kept in "
+        "registers.",
         py::call_guard<py::gil_scoped_release>());
   m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
         py::arg("isa") = "auto",

@@ -71,6 +71,9 @@ struct Kernels {
   // Columns [c0, c1) of a projection over a packed weight (PanelGemmArgs); each output is one
   // multiply-add chain over k in order, then the bias, then (accumulate) the add into out.
   void (*panel_gemm)(const PanelGemmArgs& a, int64_t c0, int64_t c1);
+  // Output columns [c0, c1) of silu(x @ gate) * (x @ up) over pack_swiglu_panels' pairs of panels
+  // (a.bias unused): each product the same multiply-add chain as panel_gemm's, then silu_mul's math.
+  void (*panel_swiglu)(const PanelGemmArgs& a, int64_t c0, int64_t c1);
 };
 
 const Kernels& scalar_kernels();

@@ -23,6 +23,7 @@ const Kernels& scalar_kernels() {
       &scalar::attention_tasks<scalar::Scalar, uint16_t>,
       &scalar::sample_row<scalar::Scalar>,
       &scalar::panel_gemm<scalar::Scalar>,
+      &scalar::panel_swiglu<scalar::Scalar>,
   };
   return kernels;
 }

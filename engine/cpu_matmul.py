@@ -37,8 +37,9 @@ from rlhf.errors import UserError
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "full_width_avx512_amd",
     "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad",
-    "onednn_weight_grad_transposed", "packed_swiglu_op", "resolve_cpu_matmul", "shared_input_linears",
-    "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
+    "onednn_weight_grad_transposed", "packed_swiglu_op", "packed_swiglu_weights", "resolve_cpu_matmul", "shared_input_grads",
+    "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears",
+    "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -231,24 +232,39 @@ class _OneDnnSharedInputLinears(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, *weights = ctx.saved_tensors
         grad_rows = [grad.reshape(-1, grad.shape[-1]).contiguous() for grad in grads]
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            for grad, weight in zip(grad_rows, weights):
-                grad_x = _input_grad(grad, weight, grad_x)
-            grad_x = grad_x.view(*grads[0].shape[:-1], rows.shape[1])
         wanted = [ctx.needs_input_grad[1 + 2 * i] for i in range(len(weights))]
-        on_onednn = any(wanted) and _weight_grad_on_onednn(rows.shape[0])
-        rows_t = transposed(rows) if on_onednn else None  # once, for every weight gradient
+        grad_x, weight_grads = shared_input_grads(rows, weights, grad_rows, ctx.needs_input_grad[0], wanted)
+        if grad_x is not None:
+            grad_x = grad_x.view(*grads[0].shape[:-1], rows.shape[1])
         params: list[torch.Tensor | None] = []
-        for i, grad in enumerate(grad_rows):
-            if not wanted[i]:
-                params.append(None)
-            elif rows_t is None:
-                params.append(grad.t() @ rows)
-            else:
-                params.append(transposed(_onednn_linear(rows_t, grad.t(), None)))
+        for i, (grad, weight_grad_i) in enumerate(zip(grad_rows, weight_grads)):
+            params.append(weight_grad_i)
             params.append(grad.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[2 + 2 * i] else None)
         return grad_x, *params
+
+
+def shared_input_grads(rows: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                       grad_rows: list[torch.Tensor] | tuple[torch.Tensor, ...], input_grad: bool,
+                       wanted: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The gradients of linears of one input's rows [n, in] (no biases) from their outputs'
+    gradients [n, out_i] (contiguous): the input's (where `input_grad`: the products accumulated in
+    place into one tensor) and each weight's where `wanted` (X^T dY transposed back, X transposed
+    once for all of them where `weight_grad` takes oneDNN), as `_OneDnnSharedInputLinears` runs them."""
+    grad_x = None
+    if input_grad:
+        for grad, weight in zip(grad_rows, weights):
+            grad_x = _input_grad(grad, weight, grad_x)
+    on_onednn = any(wanted) and _weight_grad_on_onednn(rows.shape[0])
+    rows_t = transposed(rows) if on_onednn else None  # once, for every weight gradient
+    weight_grads: list[torch.Tensor | None] = []
+    for grad, want in zip(grad_rows, wanted):
+        if not want:
+            weight_grads.append(None)
+        elif rows_t is None:
+            weight_grads.append(grad.t() @ rows)
+        else:
+            weight_grads.append(transposed(_onednn_linear(rows_t, grad.t(), None)))
+    return grad_x, weight_grads
 
 
 def shared_input_linears(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:
@@ -300,6 +316,19 @@ def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Ten
     if not (isinstance(gate, OneDnnLinearMixin) and isinstance(up, OneDnnLinearMixin)):
         return None
     return swiglu_in_epilogue(x, gate.weight, gate.bias, up.weight, up.bias)
+
+
+def packed_swiglu_weights(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gate and up weights where an MLP's silu(gate(x)) * up(x) with autograd can run the packed
+    SwiGLU GEMM (`packed_swiglu_op`): OneDnnLinear modules without biases or hooks of their own that
+    oneDNN takes x for (so the backward's GEMMs run as `shared_input_grads` runs them); None otherwise."""
+    if packed_swiglu_op() is None or not all(
+            isinstance(m, OneDnnLinearMixin) and not (m._forward_hooks or m._forward_pre_hooks)
+            and getattr(m, "bias", None) is None and _onednn_takes(x, m.weight, None) for m in (gate, up)):
+        return None
+    if gate.weight.shape != up.weight.shape:
+        return None
+    return gate.weight, up.weight
 
 
 def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,

@@ -35,13 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from rlhf.engine.cpu_matmul import linear_add, shared_input_linears, swiglu_linears
+from rlhf.engine.cpu_matmul import (linear_add, packed_swiglu_op, packed_swiglu_weights, shared_input_grads,
+                                    shared_input_linears, swiglu_linears)
 from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
 
 __all__ = [
-    "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "rms_norm",
-    "rms_norm_reference", "rope", "rope_attention",
-    "rope_reference", "swiglu", "swiglu_reference", "uses_fused_layers",
+    "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "packed_swiglu",
+    "rms_norm", "rms_norm_reference", "rope", "rope_attention", "rope_reference", "swiglu", "swiglu_reference",
+    "uses_fused_layers",
 ]
 
 
@@ -137,6 +138,38 @@ class _FusedSwiGLU(torch.autograd.Function):
             increment_version(gate)
             increment_version(up)
         return grad_gate, grad_up, None, None
+
+
+class _PackedSwiGLULinears(torch.autograd.Function):
+    """silu(x @ gate_weight^T) * (x @ up_weight^T) with autograd: the forward through the packed
+    SwiGLU GEMM (rlhf_cpu_decode.panel_swiglu_products: each tile of the two products computed
+    together, stored for the backward and combined before the activation is stored, so no pass of
+    its own reads them back), the backward as `_FusedSwiGLU`'s (the gradients written over the
+    saved products) and then the two linears' as `_OneDnnSharedInputLinears`' (shared_input_grads)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                packed: ModuleType, op: ModuleType) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        panels = packed.pack_swiglu_panels(gate_weight.t(), up_weight.t())
+        hidden, gate, up = packed.panel_swiglu_products(rows, panels, gate_weight.shape[0])
+        ctx.save_for_backward(rows, gate_weight, up_weight, gate, up)
+        ctx.op = op
+        return hidden.view(*x.shape[:-1], gate_weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, gate_weight, up_weight, gate, up = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        grad_gate, grad_up = ctx.op.swiglu_backward(grad_rows, gate, up, in_place=True)
+        increment_version(gate)
+        increment_version(up)
+        grad_x, (grad_gate_weight, grad_up_weight) = shared_input_grads(
+            rows, (gate_weight, up_weight), (grad_gate, grad_up), ctx.needs_input_grad[0],
+            [ctx.needs_input_grad[1], ctx.needs_input_grad[2]])
+        if grad_x is not None:
+            grad_x = grad_x.view(*grad.shape[:-1], rows.shape[1])
+        return grad_x, grad_gate_weight, grad_up_weight, None, None
 
 
 class _FusedRoPE(torch.autograd.Function):
@@ -271,6 +304,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite_saved: bool = False) 
     return swiglu_reference(gate, up) if op is None else _FusedSwiGLU.apply(gate, up, op, overwrite_saved)
 
 
+def packed_swiglu(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor | None:
+    """silu(gate(x)) * up(x) through `_PackedSwiGLULinears` where autograd records and the packed
+    SwiGLU GEMM takes the two linears (cpu_matmul.packed_swiglu_weights); None otherwise."""
+    weights = packed_swiglu_weights(x, gate, up)
+    if weights is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, *weights)):
+        return None
+    op = layer_op(x, *weights)
+    return None if op is None else _PackedSwiGLULinears.apply(x, *weights, packed_swiglu_op(), op)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
     """rope_reference, fused where it can be (tables that need gradients take the reference)."""
     fusable = x.dim() == 3 and cos.dim() == 3 and not (cos.requires_grad or sin.requires_grad)
@@ -296,7 +339,9 @@ class FusedMLPMixin(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, plus `residual` where given (FusedDecoderLayerMixin: cpu_matmul.linear_add
         adds it onto the down projection's output)."""
-        hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: SiLU in oneDNN's epilogue
+        hidden = swiglu_linears(x, self.gate_proj, self.up_proj)  # inference-only: SiLU in a GEMM's epilogue
+        if hidden is None:
+            hidden = packed_swiglu(x, self.gate_proj, self.up_proj)  # with autograd: the packed SwiGLU GEMM
         if hidden is None:
             hidden = swiglu(*shared_input_linears(x, (self.gate_proj, self.up_proj)), overwrite_saved=True)
         return self.down_proj(hidden) if residual is None else linear_add(hidden, self.down_proj, residual)

@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine import cpu_matmul
@@ -22,6 +24,7 @@ from rlhf.engine.fused_layers import (
     attention,
     attention_reference,
     fuse_layer_ops,
+    packed_swiglu,
     rms_norm,
     rms_norm_reference,
     rope,
@@ -374,8 +377,9 @@ def test_epilogue_fusions_of_onednn_linears_match_hugging_face(op) -> None:
     fuse_layer_ops(fused)
     use_onednn_linears(fused)
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
-    calls = {"add": 0, "swiglu": 0}
-    real_add, real_swiglu = cpu_matmul._OneDnnLinearAdd.apply, cpu_matmul.swiglu_linears
+    calls = {"add": 0, "swiglu": 0, "packed": 0}
+    real_add, real_swiglu, real_packed = cpu_matmul._OneDnnLinearAdd.apply, cpu_matmul.swiglu_linears, packed_swiglu
+    packs = cpu_matmul.packed_swiglu_op() is not None  # AVX-512: the packed SwiGLU GEMM, with autograd too
 
     def counting_add(*args):
         calls["add"] += 1
@@ -386,19 +390,64 @@ def test_epilogue_fusions_of_onednn_linears_match_hugging_face(op) -> None:
         calls["swiglu"] += out is not None
         return out
 
+    def counting_packed(*args):
+        out = real_packed(*args)
+        calls["packed"] += out is not None
+        return out
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_matmul._OneDnnLinearAdd, "apply", counting_add)
         patch.setattr(fused_layers_module, "swiglu_linears", counting_swiglu)
+        patch.setattr(fused_layers_module, "packed_swiglu", counting_packed)
         for m in (model, fused):
             m(input_ids=ids, use_cache=False).logits.log_softmax(-1)[..., :7].sum().backward()
-        assert calls == {"add": 2 * 2, "swiglu": 0}  # two adds per layer; autograd: the fused SwiGLU
+        # two adds per layer; autograd: the packed SwiGLU GEMM where there is one, else the fused SwiGLU
+        assert calls == {"add": 2 * 2, "swiglu": 0, "packed": 2 * packs}
         with torch.no_grad():
             want = model(input_ids=ids, use_cache=False).logits
             got = fused(input_ids=ids, use_cache=False).logits
-        assert calls == {"add": 2 * 2 * 2, "swiglu": 2}
+        assert calls == {"add": 2 * 2 * 2, "swiglu": 2, "packed": 2 * packs}
     _close(got, want, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), fused.parameters()):
         _close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [64, 301])
+def test_packed_swiglu_gradients_match_two_linears_and_the_reference(op, rows: int) -> None:
+    """The packed SwiGLU GEMM with autograd (`packed_swiglu`: both products from one packed GEMM,
+    stored for the backward past the caches): the activation and the gradients of x, gate and up
+    match torch's silu(x @ gate^T) * (x @ up^T) to rounding, for a width that is not a multiple of
+    the panels' 16 columns; its backward writes over the saved products, so a second backward
+    through the graph fails loudly; a gate with a bias is not taken."""
+    if cpu_matmul.packed_swiglu_op() is None:
+        pytest.skip("no AVX-512 rlhf_cpu_decode op here")
+    gen = torch.Generator().manual_seed(11)
+    gate, up = nn.Linear(256, 200, bias=False), nn.Linear(256, 200, bias=False)
+    with torch.no_grad():
+        for p in (gate.weight, up.weight):
+            p.copy_(torch.randn(p.shape, generator=gen) / 16)
+    plain = [copy.deepcopy(gate), copy.deepcopy(up)]
+    use_onednn_linears(gate)
+    use_onednn_linears(up)
+    x = torch.randn(1, rows, 256, generator=gen, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    grad = torch.randn(1, rows, 200, generator=gen)
+    got = packed_swiglu(x, gate, up)
+    assert got is not None
+    want = F.silu(plain[0](x_ref)) * plain[1](x_ref)
+    _close(got, want, rtol=1e-5, atol=1e-5 * float(want.detach().abs().max()))
+    got.backward(grad, retain_graph=True)
+    want.backward(grad)
+    for a, b in ((x.grad, x_ref.grad), (gate.weight.grad, plain[0].weight.grad), (up.weight.grad, plain[1].weight.grad)):
+        _close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.backward(grad)
+    with torch.no_grad():
+        assert packed_swiglu(x, gate, up) is None  # no autograd: swiglu_in_epilogue's
+    biased = nn.Linear(256, 200)
+    use_onednn_linears(biased)
+    assert packed_swiglu(x, biased, up) is None
 
 
 def test_tied_embeddings_and_other_families(op) -> None:

@@ -20,6 +20,10 @@ struct Avx2Float {
   RLHF_AVX2_FN T set1(float x) { return _mm256_set1_ps(x); }
   RLHF_AVX2_FN T load(const float* p) { return _mm256_loadu_ps(p); }
   RLHF_AVX2_FN void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  // A store that bypasses the caches (p 32-byte aligned), for outputs read back only much later;
+  // stream_fence() orders such stores before the caller's later ones.
+  RLHF_AVX2_FN void store_stream(float* p, T x) { _mm256_stream_ps(p, x); }
+  RLHF_AVX2_FN void stream_fence() { _mm_sfence(); }
   RLHF_AVX2_FN T add(T a, T b) { return _mm256_add_ps(a, b); }
   RLHF_AVX2_FN T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   RLHF_AVX2_FN T mul(T a, T b) { return _mm256_mul_ps(a, b); }

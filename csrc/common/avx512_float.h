@@ -19,6 +19,10 @@ struct Avx512Vec {
   RLHF_AVX512_FN T set1(float x) { return _mm512_set1_ps(x); }
   RLHF_AVX512_FN T load(const float* p) { return _mm512_loadu_ps(p); }
   RLHF_AVX512_FN void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  // A store that bypasses the caches (p 64-byte aligned), for outputs read back only much later;
+  // stream_fence() orders such stores before the caller's later ones.
+  RLHF_AVX512_FN void store_stream(float* p, T x) { _mm512_stream_ps(p, x); }
+  RLHF_AVX512_FN void stream_fence() { _mm_sfence(); }
   RLHF_AVX512_FN T add(T a, T b) { return _mm512_add_ps(a, b); }
   RLHF_AVX512_FN T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   RLHF_AVX512_FN T mul(T a, T b) { return _mm512_mul_ps(a, b); }

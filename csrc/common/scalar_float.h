@@ -15,6 +15,8 @@ struct ScalarVec {
   static inline T set1(float x) { return x; }
   static inline T load(const float* p) { return *p; }
   static inline void store(float* p, T x) { *p = x; }
+  static inline void store_stream(float* p, T x) { *p = x; }  // Avx2Vec's: a plain store here
+  static inline void stream_fence() {}
   static inline T add(T a, T b) { return a + b; }
   static inline T sub(T a, T b) { return a - b; }
   static inline T mul(T a, T b) { return a * b; }

@@ -452,8 +452,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
 
 // silu(x @ gate_t) * (x @ up_t) [rows, ffn] through panel_swiglu, `panels` being
 // pack_swiglu_panels(gate_t, up_t): the SwiGLU MLP's activation without its two [rows, ffn]
-// products ever written, one slice of output panels per intra-op thread.
-at::Tensor panel_swiglu(const at::Tensor& x, const at::Tensor& panels, int64_t ffn, const std::string& isa) {
+// products ever written (`products`: written too, after it as [activation, gate, up], for a
+// backward), one slice of output panels per intra-op thread.
+std::vector<at::Tensor> swiglu_through_panels(const at::Tensor& x, const at::Tensor& panels, int64_t ffn,
+                                              const std::string& isa, bool products) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "rlhf_cpu_decode.panel_swiglu: x must be a contiguous [rows, in] float32 CPU tensor");
   const int64_t in = x.size(1);
@@ -461,11 +463,28 @@ at::Tensor panel_swiglu(const at::Tensor& x, const at::Tensor& panels, int64_t f
   check_weight(panels, "panels", {2 * divup(ffn, kPanelColumns), in, kPanelColumns});
   std::string chosen;
   const Kernels& kernels = resolve_isa(isa, chosen);
-  at::Tensor out = at::empty({x.size(0), ffn}, x.options());
-  const PanelGemmArgs args{x.data_ptr<float>(), in, x.size(0), in, panels.data_ptr<float>(), nullptr,
-                           out.data_ptr<float>(), ffn, false};
+  std::vector<at::Tensor> outs{at::empty({x.size(0), ffn}, x.options())};
+  if (products) {
+    outs.push_back(at::empty({x.size(0), ffn}, x.options()));
+    outs.push_back(at::empty({x.size(0), ffn}, x.options()));
+  }
+  PanelGemmArgs args{x.data_ptr<float>(), in, x.size(0), in, panels.data_ptr<float>(), nullptr,
+                     outs[0].data_ptr<float>(), ffn, false};
+  if (products) {
+    args.gate_out = outs[1].data_ptr<float>();
+    args.up_out = outs[2].data_ptr<float>();
+  }
   for_column_chunks(ffn, [&](int64_t c0, int64_t c1) { kernels.panel_swiglu(args, c0, c1); });
-  return out;
+  return outs;
+}
+
+at::Tensor panel_swiglu(const at::Tensor& x, const at::Tensor& panels, int64_t ffn, const std::string& isa) {
+  return swiglu_through_panels(x, panels, ffn, isa, false)[0];
+}
+
+std::vector<at::Tensor> panel_swiglu_products(const at::Tensor& x, const at::Tensor& panels, int64_t ffn,
+                                              const std::string& isa) {
+  return swiglu_through_panels(x, panels, ffn, isa, true);
 }
 
 // One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
@@ -615,6 +634,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto",
         "silu(x @ gate_t) * (x @ up_t) [rows, ffn] over pack_swiglu_panels(gate_t, up_t), the products kept in "
         "registers.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_swiglu_products", &rlhf_decode::panel_swiglu_products, py::arg("x"), py::arg("panels"),
+        py::arg("ffn"), py::arg("isa") = "auto",
+        "panel_swiglu's activation and the two products it multiplied, [activation, x @ gate_t, x @ up_t], each "
+        "[rows, ffn] (for a backward).",
         py::call_guard<py::gil_scoped_release>());
   m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
         py::arg("isa") = "auto",

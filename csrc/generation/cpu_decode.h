@@ -49,6 +49,10 @@ struct PanelGemmArgs {
   float* out;
   int64_t ldo;
   bool accumulate;
+  // panel_swiglu only: where the gate and up products are stored as well (stride ldo; nullptr: not
+  // stored), for a backward that needs them.
+  float* gate_out = nullptr;
+  float* up_out = nullptr;
 };
 
 struct Kernels {

@@ -213,6 +213,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._low_precision: dict[Tensor, Tensor] = {}
         self._reference_reasons: set[str] = set()
         self._ops: dict[str, ModuleType | None] = {}
+        self.step_finite: bool | None = None  # set by step()
 
     # ---------------------------------------------------------------- public helpers
 
@@ -228,17 +229,25 @@ class FusedAdamW(torch.optim.Optimizer):
     # ---------------------------------------------------------------- step
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimizer step over every param that has a gradient."""
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
+             grad_scale: float = 1.0) -> float | None:
+        """One optimizer step over every param that has a gradient, each gradient taken times
+        `grad_scale` (gradient clipping's coefficient: the CPU kernels multiply as they read, the
+        other paths multiply the gradients in place first, as torch's clipping does).
+        `step_finite` then says whether every updated param is finite (the CPU kernels check as
+        they write), or is None where a bucket took another path."""
+        if not (math.isfinite(grad_scale) and grad_scale >= 0.0):
+            raise ValueError(f"FusedAdamW.step: grad_scale must be a finite number >= 0, got {grad_scale}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_finite = True
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, grad_scale)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], grad_scale: float = 1.0) -> None:
         if group.get("amsgrad") or group.get("maximize"):
             raise ValueError("FusedAdamW supports neither amsgrad nor maximize")
         entries = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
@@ -283,6 +292,13 @@ class FusedAdamW(torch.optim.Optimizer):
         )
         for (device, _, _, _, fused), b in buckets.items():
             lists = (b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.masters, b.lp_out, b.steps)
+            if fused and device.type == "cpu":
+                finite = self._ops["cpu"].adam_step(*lists, **hyper, grad_scale=grad_scale)
+                self.step_finite = self.step_finite and finite
+                continue
+            if grad_scale != 1.0:
+                torch._foreach_mul_(b.grads, grad_scale)
+            self.step_finite = None
             if fused:
                 self._ops[device.type].adam_step(*lists, **hyper)
             else:

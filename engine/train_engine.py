@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
+from rlhf.engine.fused_adam import FusedAdamW
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
 from rlhf.engine.config import EngineConfig
@@ -231,21 +232,28 @@ class TrainEngine:
                 grads.append(g.to_local() if hasattr(g, "to_local") else g)
         return grads
 
-    def _clip_gradients(self, params: list[torch.Tensor]) -> float:
-        """Clip to --grad-clip (when > 0) and return the total gradient norm. On one process the
-        local gradients are the whole ones, so the norm and the scaling run over plain tensors
-        (torch's DTensor path costs ~40 ms a step in dispatch for a 39-tensor model on a CPU)."""
+    def _clip_gradients(self, params: list[torch.Tensor]) -> tuple[float, float]:
+        """Clip to --grad-clip (when > 0): (the total gradient norm, the clipping coefficient still
+        to apply: 1.0 where the gradients are already scaled). On one process the local gradients
+        are the whole ones, so the norm and the scaling run over plain tensors (torch's DTensor
+        path costs ~40 ms a step in dispatch for a 39-tensor model on a CPU), and a FusedAdamW
+        takes the coefficient into its step (its CPU kernels multiply each gradient as they read
+        it: the same product as torch's in-place scaling, without a pass of its own)."""
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         if self.ctx.world_size == 1:
             grads = self._local_grads()
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-            if grads and max_norm < float("inf"):  # torch's clip_grads_with_norm_ coefficient
-                torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-            return float(norm)
+            if not grads or max_norm == float("inf"):
+                return float(norm), 1.0
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ coefficient
+            if isinstance(self.optimizer, FusedAdamW) and math.isfinite(float(coef)):
+                return float(norm), float(coef)
+            torch._foreach_mul_(grads, coef)
+            return float(norm), 1.0
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        return float(norm), 1.0
 
     ZERO_GRADIENT_WARN_AFTER = 3
 
@@ -271,13 +279,16 @@ class TrainEngine:
             grads = self._local_grads()
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        grad_norm = self._clip_gradients(params)
+        grad_norm, grad_scale = self._clip_gradients(params)
         overflow = not math.isfinite(grad_norm)
         counted = overflow and (self.scaler is None or self.scaler.exhausted)
         if self.scaler is not None:
             self.scaler.update(overflow)
         if not overflow:
-            self.optimizer.step()
+            if grad_scale != 1.0:
+                self.optimizer.step(grad_scale=grad_scale)
+            else:
+                self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_micro_steps = 0
@@ -309,8 +320,14 @@ class TrainEngine:
 
     def _check_parameters(self, lr: float) -> None:
         """Stop when the optimizer step just taken made a parameter NaN/inf (a step that cannot be
-        skipped any more). Every rank reads the same verdict (a max over ranks of each one's shards)."""
-        bad = ~all_finite(_local(p) for p in self.model.parameters())
+        skipped any more). Every rank reads the same verdict (a max over ranks of each one's shards).
+        On one process, where the step checked what it wrote (FusedAdamW's CPU kernels: every
+        param it updated; the others did not change), its verdict is taken as it is."""
+        stepped_finite = getattr(self.optimizer, "step_finite", None)
+        if self.ctx.world_size == 1 and stepped_finite is not None:
+            bad = torch.tensor(not stepped_finite)
+        else:
+            bad = ~all_finite(_local(p) for p in self.model.parameters())
         if self.ctx.world_size > 1:
             bad = self.ctx.all_reduce_max(bad.to(torch.int32))
         if bool(bad):

@@ -162,6 +162,50 @@ def test_every_isa_agrees_with_reference_on_ragged_sizes(adam_w_mode: bool) -> N
             torch.testing.assert_close(got, want, **STATE_TOL)
 
 
+@pytest.mark.parametrize("implementation", ["fused", "reference"])
+def test_grad_scale_is_clippings_product_and_the_step_says_whether_params_stay_finite(implementation: str) -> None:
+    """FusedAdamW.step(grad_scale=c) steps as torch's AdamW after clipping's in-place product
+    (grads *= c), on every kernel set: the kernels multiply as they read, the reference path first
+    (in place, as clipping does). The CPU kernels report whether every updated value is finite
+    (`step_finite`), a NaN or inf in the vector body or in the scalar tail included; the reference
+    path reports None (unknown). A grad_scale that is NaN, inf or negative is refused."""
+    gen = torch.Generator().manual_seed(8)
+    params = leaves(MIXED, seed=8)
+    ref_params = twins(params)
+    ours = FusedAdamW(params, lr=1e-2, weight_decay=0.1, implementation=implementation)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    for scale in (0.37, 1.0, 0.05):
+        set_grads([params, ref_params], gen)
+        for q in ref_params:  # set_grads shares one tensor between the twins
+            q.grad = q.grad * scale
+        ours.step(grad_scale=scale)
+        ref.step()
+        assert ours.step_finite is (True if implementation == "fused" else None)
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), **STATE_TOL)
+    assert_states_close(ours, ref, params, ref_params)
+    with pytest.raises(ValueError, match="grad_scale"):
+        ours.step(grad_scale=float("nan"))
+    with pytest.raises(ValueError, match="grad_scale"):
+        ours.step(grad_scale=-1.0)
+
+    op = cpu_op()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True)
+    for isa in op.supported_isas():
+        for bad_index in (None, 3, 16):  # the vector body, the tail past 16 lanes
+            p = [torch.randn(17, generator=gen), torch.randn(40, generator=gen)]
+            g = [torch.randn(17, generator=gen), torch.randn(40, generator=gen)]
+            if bad_index is not None:
+                g[0][bad_index] = float("nan") if bad_index == 3 else float("inf")
+            finite = op.adam_step(p, g, [torch.zeros(17), torch.zeros(40)], [torch.zeros(17), torch.zeros(40)],
+                                  [], [], counters(2), isa=isa, grad_scale=0.5, **hp)
+            assert finite is (bad_index is None), (isa, bad_index)
+    z = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="grad_scale"):
+        op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [], [], counters(1), grad_scale=float("inf"),
+                     **hp)
+
+
 # ------------------------------------------------------------------ bf16 params, masters, bf16 copies
 
 

@@ -25,13 +25,17 @@ struct AdamHyper {
   float decay;                  // 1 - lr * weight_decay (AdamW), 1 otherwise
   float neg_step_size;          // -lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float grad_scale;             // the gradient is read times this (gradient clipping's coefficient)
   bool l2;                      // Adam with weight decay: grad += weight_decay * param
   bool decoupled;               // AdamW with weight decay: param *= decay
+  bool scaled;                  // grad_scale != 1
 };
 
 // Mirrors torch.optim.Adam(W)'s non-capturable path: bias corrections in double from the step.
+// `grad_scale` multiplies each gradient element as it is read, as torch's gradient clipping
+// multiplies the gradients in place before the step (a float32 product: the same bits).
 inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps,
-                                 double weight_decay, int64_t step, bool adam_w_mode) {
+                                 double weight_decay, int64_t step, bool adam_w_mode, double grad_scale = 1.0) {
   const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   AdamHyper h{};
@@ -44,6 +48,8 @@ inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double e
   h.decay = h.decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   h.neg_step_size = static_cast<float>(-lr / bias_correction1);
   h.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.scaled = h.grad_scale != 1.0f;
   return h;
 }
 

@@ -11,6 +11,8 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -55,13 +57,16 @@ AdamSpanFn resolve_isa(const std::string& requested) {
   return &adam_span_scalar;
 }
 
-void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+// Returns whether every updated value (the fp32 working copy: the master where there is one) is finite.
+bool adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& lp_out,
                const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool adam_w_mode, const std::string& isa) {
+               double eps, double weight_decay, bool adam_w_mode, const std::string& isa, double grad_scale) {
   const AdamLists lists{params, grads, exp_avgs, exp_avg_sqs, masters, lp_out, steps};
   const ParamType type = check_adam_lists("fused_adam_cpu", lists);
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale >= 0.0,
+              "fused_adam_cpu: grad_scale must be a finite number >= 0, got ", grad_scale);
   if (!params.empty()) {
     TORCH_CHECK(params[0].device().is_cpu(), "fused_adam_cpu: tensors must be on the CPU");
   }
@@ -69,7 +74,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   // Per tensor: params of one group may be at different steps (added to the optimizer later).
   std::vector<AdamHyper> hypers;
   for (const int64_t step : increment_steps(steps)) {
-    hypers.push_back(make_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode));
+    hypers.push_back(make_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale));
   }
 
   std::vector<AdamSpan> spans;
@@ -99,9 +104,11 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
 
   // Below one chunk of work a parallel region costs more than it saves.
   const int64_t grain = total <= kChunk ? static_cast<int64_t>(spans.size()) : 1;
+  std::vector<char> finite(spans.size(), 1);
   at::parallel_for(0, static_cast<int64_t>(spans.size()), grain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) kernel(spans[i], hypers[span_tensor[i]]);
+    for (int64_t i = b; i < e; ++i) finite[i] = kernel(spans[i], hypers[span_tensor[i]]);
   });
+  return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 }
 
 }  // namespace
@@ -112,9 +119,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &rlhf_adam::adam_step, py::arg("params"), py::arg("grads"),
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("masters"), py::arg("lp_out"),
         py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("adam_w_mode"), py::arg("isa") = "auto",
+        py::arg("weight_decay"), py::arg("adam_w_mode"), py::arg("isa") = "auto", py::arg("grad_scale") = 1.0,
         "One Adam/AdamW step over flat lists of contiguous CPU tensors (empty masters/lp_out "
-        "lists mean none); increments each param's step counter first.",
+        "lists mean none), each gradient read times grad_scale (gradient clipping's coefficient); "
+        "increments each param's step counter first. Returns whether every updated value is finite.",
         py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &rlhf_adam::supported_isas,
         "Kernels this CPU can run, widest last (scalar, avx2, avx512).");

@@ -27,12 +27,13 @@ struct AdamSpan {
   ParamType param_type;
 };
 
-using AdamSpanFn = void (*)(const AdamSpan&, const AdamHyper&);
+// Updates the span; returns whether every updated value is finite.
+using AdamSpanFn = bool (*)(const AdamSpan&, const AdamHyper&);
 
-void adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper);
+bool adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper);
 #if defined(__x86_64__) || defined(_M_X64)
-void adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper);
-void adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper);
+bool adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper);
+bool adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper);
 #endif
 
 inline float bf16_to_float(bf16_t x) {

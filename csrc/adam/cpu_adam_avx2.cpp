@@ -51,8 +51,8 @@ struct Avx2 : rlhf::Avx2Float {
 }  // namespace rlhf_adam::avx2
 
 namespace rlhf_adam {
-void adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper) {
-  avx2::adam_span<avx2::Avx2>(span, hyper);
+bool adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper) {
+  return avx2::adam_span<avx2::Avx2>(span, hyper);
 }
 }  // namespace rlhf_adam
 

@@ -56,8 +56,8 @@ struct Avx512 {
 }  // namespace rlhf_adam::avx512
 
 namespace rlhf_adam {
-void adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper) {
-  avx512::adam_span<avx512::Avx512>(span, hyper);
+bool adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper) {
+  return avx512::adam_span<avx512::Avx512>(span, hyper);
 }
 }  // namespace rlhf_adam
 

@@ -13,7 +13,7 @@ namespace rlhf_adam::scalar {
 }  // namespace rlhf_adam::scalar
 
 namespace rlhf_adam {
-void adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper) {
-  scalar::adam_span<scalar::Scalar>(span, hyper);
+bool adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper) {
+  return scalar::adam_span<scalar::Scalar>(span, hyper);
 }
 }  // namespace rlhf_adam

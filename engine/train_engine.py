@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
-from rlhf.engine.fused_adam import FusedAdamW
+from rlhf.engine.fused_adam import FusedAdamW, total_norm
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
 from rlhf.engine.config import EngineConfig
@@ -235,14 +235,15 @@ class TrainEngine:
     def _clip_gradients(self, params: list[torch.Tensor]) -> tuple[float, float]:
         """Clip to --grad-clip (when > 0): (the total gradient norm, the clipping coefficient still
         to apply: 1.0 where the gradients are already scaled). On one process the local gradients
-        are the whole ones, so the norm and the scaling run over plain tensors (torch's DTensor
-        path costs ~40 ms a step in dispatch for a 39-tensor model on a CPU), and a FusedAdamW
-        takes the coefficient into its step (its CPU kernels multiply each gradient as they read
-        it: the same product as torch's in-place scaling, without a pass of its own)."""
+        are the whole ones, so the norm (fused_adam.total_norm: one parallel pass on the CPU) and
+        the scaling run over plain tensors (torch's DTensor path costs ~40 ms a step in dispatch for
+        a 39-tensor model on a CPU), and a FusedAdamW takes the coefficient into its step (its CPU
+        kernels multiply each gradient as they read it: the same product as torch's in-place
+        scaling, without a pass of its own)."""
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         if self.ctx.world_size == 1:
             grads = self._local_grads()
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            norm = total_norm(grads)
             if not grads or max_norm == float("inf"):
                 return float(norm), 1.0
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ coefficient

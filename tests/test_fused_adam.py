@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rlhf.engine.distributed import exit_rank
-from rlhf.engine.fused_adam import CPU_OP, CUDA_OP, FusedAdamW, adam_reference_step, fused_adam_available
+from rlhf.engine.fused_adam import CPU_OP, CUDA_OP, FusedAdamW, adam_reference_step, fused_adam_available, total_norm
 from rlhf.engine.ops import load_op
 
 BIG = 1_000_007  # 1M + 7: many chunks plus a ragged vector tail
@@ -204,6 +204,32 @@ def test_grad_scale_is_clippings_product_and_the_step_says_whether_params_stay_f
     with pytest.raises(RuntimeError, match="grad_scale"):
         op.adam_step([z.clone()], [z.clone()], [z.clone()], [z.clone()], [], [], counters(1), grad_scale=float("inf"),
                      **hp)
+
+
+def test_total_norm_is_the_norm_of_every_value_on_every_kernel_set() -> None:
+    """total_norm (a total gradient norm in one pass of the CPU op) is the L2 norm of all the values
+    together to float32 rounding (chunks crossing 2^16 values, vector tails, bf16 tensors), on
+    every kernel set; NaN and inf propagate (the step is then skipped as an overflow); tensors the
+    op does not take (non-contiguous) go to torch's get_total_norm."""
+    op = cpu_op()
+    gen = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(n, generator=gen) for n in (*MIXED, BIG)]
+    exact = torch.cat(tensors).double().norm().item()
+    got = total_norm(tensors)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(got.item() - exact) <= 1e-6 * exact
+    for isa in op.supported_isas():
+        assert abs(op.l2_norm(tensors, isa=isa) - exact) <= 2e-6 * exact, isa  # float sums within a chunk
+    halves = [t.bfloat16() for t in tensors[:4]]
+    assert abs(total_norm(halves).item() - torch.cat(halves).double().norm().item()) <= 1e-6 * exact
+    strided = [torch.randn(8, 6, generator=gen).t()]
+    torch.testing.assert_close(total_norm(strided), torch.nn.utils.get_total_norm(strided))
+    for bad in (float("nan"), float("inf")):
+        poisoned = [t.clone() for t in tensors[:3]]
+        poisoned[2][5] = bad
+        assert not torch.isfinite(total_norm(poisoned))
+    with pytest.raises(RuntimeError, match="l2_norm"):
+        op.l2_norm([torch.zeros(3, dtype=torch.float64)])
 
 
 # ------------------------------------------------------------------ bf16 params, masters, bf16 copies

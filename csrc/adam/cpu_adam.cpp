@@ -111,6 +111,49 @@ bool adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 }
 
+SumOfSquaresFn resolve_sum_of_squares(const std::string& requested) {
+  const std::string isa = requested == "auto" ? best_isa() : requested;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512" && cpu_has_avx512()) return &sum_of_squares_avx512;
+  if (isa == "avx2" && cpu_has_avx2()) return &sum_of_squares_avx2;
+#endif
+  TORCH_CHECK(isa == "scalar" || isa == "avx2" || isa == "avx512", "fused_adam_cpu: unknown isa '", requested, "'");
+  TORCH_CHECK(isa == "scalar", "fused_adam_cpu: this CPU cannot run isa '", requested, "'");
+  return &sum_of_squares_scalar;
+}
+
+// The L2 norm of every value of `tensors` together (a total gradient norm): float32 or bf16
+// contiguous CPU tensors, cut into chunks summed on torch's intra-op threads in float vector
+// accumulators, the chunks' sums added in double.
+double l2_norm(const std::vector<at::Tensor>& tensors, const std::string& isa) {
+  const SumOfSquaresFn kernel = resolve_sum_of_squares(isa);
+  struct Chunk {
+    const char* data;
+    int64_t n;
+    ParamType type;
+  };
+  std::vector<Chunk> chunks;
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() &&
+                    (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+                "fused_adam_cpu.l2_norm: tensors must be contiguous float32 or bfloat16 CPU tensors, got ",
+                t.scalar_type(), " on ", t.device());
+    const ParamType type = t.scalar_type() == at::kBFloat16 ? ParamType::kBFloat16 : ParamType::kFloat32;
+    const int64_t elem = static_cast<int64_t>(t.element_size());
+    for (int64_t begin = 0; begin < t.numel(); begin += kChunk) {
+      chunks.push_back({static_cast<const char*>(t.data_ptr()) + begin * elem, std::min(kChunk, t.numel() - begin),
+                        type});
+    }
+  }
+  std::vector<double> sums(chunks.size(), 0.0);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) sums[i] = kernel(chunks[i].data, chunks[i].n, chunks[i].type);
+  });
+  double total = 0.0;
+  for (const double x : sums) total += x;
+  return std::sqrt(total);
+}
+
 }  // namespace
 }  // namespace rlhf_adam
 
@@ -123,6 +166,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One Adam/AdamW step over flat lists of contiguous CPU tensors (empty masters/lp_out "
         "lists mean none), each gradient read times grad_scale (gradient clipping's coefficient); "
         "increments each param's step counter first. Returns whether every updated value is finite.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("l2_norm", &rlhf_adam::l2_norm, py::arg("tensors"), py::arg("isa") = "auto",
+        "The L2 norm of every value of the tensors together (contiguous float32 / bfloat16 CPU tensors): "
+        "a total gradient norm in one parallel pass, chunks summed in double.",
         py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &rlhf_adam::supported_isas,
         "Kernels this CPU can run, widest last (scalar, avx2, avx512).");

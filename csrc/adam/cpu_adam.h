@@ -36,6 +36,15 @@ bool adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper);
 bool adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper);
 #endif
 
+// The sum of squares of n contiguous values of `type` (a gradient norm's span), in double.
+using SumOfSquaresFn = double (*)(const void* x, int64_t n, ParamType type);
+
+double sum_of_squares_scalar(const void* x, int64_t n, ParamType type);
+#if defined(__x86_64__) || defined(_M_X64)
+double sum_of_squares_avx2(const void* x, int64_t n, ParamType type);
+double sum_of_squares_avx512(const void* x, int64_t n, ParamType type);
+#endif
+
 inline float bf16_to_float(bf16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;

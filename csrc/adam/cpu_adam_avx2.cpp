@@ -54,6 +54,9 @@ namespace rlhf_adam {
 bool adam_span_avx2(const AdamSpan& span, const AdamHyper& hyper) {
   return avx2::adam_span<avx2::Avx2>(span, hyper);
 }
+double sum_of_squares_avx2(const void* x, int64_t n, ParamType type) {
+  return avx2::sum_of_squares_span<avx2::Avx2>(x, n, type);
+}
 }  // namespace rlhf_adam
 
 #if defined(__clang__)

@@ -59,6 +59,9 @@ namespace rlhf_adam {
 bool adam_span_avx512(const AdamSpan& span, const AdamHyper& hyper) {
   return avx512::adam_span<avx512::Avx512>(span, hyper);
 }
+double sum_of_squares_avx512(const void* x, int64_t n, ParamType type) {
+  return avx512::sum_of_squares_span<avx512::Avx512>(x, n, type);
+}
 }  // namespace rlhf_adam
 
 #if defined(__clang__)

@@ -16,4 +16,7 @@ namespace rlhf_adam {
 bool adam_span_scalar(const AdamSpan& span, const AdamHyper& hyper) {
   return scalar::adam_span<scalar::Scalar>(span, hyper);
 }
+double sum_of_squares_scalar(const void* x, int64_t n, ParamType type) {
+  return scalar::sum_of_squares_span<scalar::Scalar>(x, n, type);
+}
 }  // namespace rlhf_adam

@@ -35,11 +35,11 @@ from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "full_width_avx512_amd",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "TN_MAX_WIDTH", "full_width_avx512_amd",
     "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad",
-    "onednn_weight_grad_transposed", "packed_swiglu_op", "packed_swiglu_weights", "resolve_cpu_matmul", "shared_input_grads",
-    "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears", "uses_onednn_linears",
-    "weight_grad",
+    "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op", "resolve_cpu_matmul",
+    "shared_input_grads", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears",
+    "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -140,10 +140,31 @@ def onednn_weight_grad() -> bool:
 def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """dY^T X [out, in], the weight gradient of a linear from its output gradient's rows dY [n, out]
     and its input's rows X [n, in] (both contiguous): through MKL, or where `onednn_weight_grad`
-    says so (and from ONEDNN_MIN_ROWS rows) through `onednn_weight_grad_transposed`."""
+    says so (and from ONEDNN_MIN_ROWS rows) through `tn_weight_grad` (narrow linears) or
+    `onednn_weight_grad_transposed`."""
     if not _weight_grad_on_onednn(rows.shape[0]):
         return grad_rows.t() @ rows
+    if _tn_takes(grad_rows, rows):
+        return panel_gemm_op().tn_weight_grad(grad_rows, rows)
     return onednn_weight_grad_transposed(grad_rows, rows)
+
+
+TN_MAX_WIDTH = 256
+"""Widest out or in feature count whose weight gradient (where it takes oneDNN: `weight_grad`) runs
+`rlhf_cpu_decode.tn_weight_grad` instead: dY^T X straight from the rows of dY and X (register tiles
+of the product over chunks of rows that stay in L2), where oneDNN needs one of them transposed
+first, a pass whose share is largest where the GEMM is narrow. Measured on a 2-core Zen 5 EPYC at
+4096 rows against the transposing path: 256 -> 256 1.10x (scripts/bench_matmul.py, interleaved
+medians) and 1.26-1.30x (back-to-back calls), 256 -> 98 1.10x, 64 x 256 1.36x; 256 -> 688 1.02x,
+688 -> 256 0.94x, 384 x 384 0.95-0.99x, 512 x 512 0.98x: so only up to 256. A tiny-Llama training
+step (32 x 128 tokens): 226-231 -> 224-229 ms (median of 20 alternated)."""
+
+
+def _tn_takes(grad_rows: torch.Tensor, rows: torch.Tensor) -> bool:
+    """tn_weight_grad computes dY^T X here: both widths at most TN_MAX_WIDTH, in a multiple of 16,
+    plain float32 rows, on a CPU whose AVX-512 kernels run (`panel_gemm_op`)."""
+    return (max(grad_rows.shape[1], rows.shape[1]) <= TN_MAX_WIDTH and rows.shape[1] % 16 == 0
+            and _plain_cpu_float32(grad_rows, rows) and panel_gemm_op() is not None)
 
 
 def _weight_grad_on_onednn(rows: int) -> bool:
@@ -249,17 +270,22 @@ def shared_input_grads(rows: torch.Tensor, weights: list[torch.Tensor] | tuple[t
     """The gradients of linears of one input's rows [n, in] (no biases) from their outputs'
     gradients [n, out_i] (contiguous): the input's (where `input_grad`: the products accumulated in
     place into one tensor) and each weight's where `wanted` (X^T dY transposed back, X transposed
-    once for all of them where `weight_grad` takes oneDNN), as `_OneDnnSharedInputLinears` runs them."""
+    once for all of them where `weight_grad` takes oneDNN; dY^T X straight from the rows where it
+    takes `tn_weight_grad`), as `_OneDnnSharedInputLinears` runs them."""
     grad_x = None
     if input_grad:
         for grad, weight in zip(grad_rows, weights):
             grad_x = _input_grad(grad, weight, grad_x)
-    on_onednn = any(wanted) and _weight_grad_on_onednn(rows.shape[0])
-    rows_t = transposed(rows) if on_onednn else None  # once, for every weight gradient
+    on_onednn = _weight_grad_on_onednn(rows.shape[0])
+    tn = [on_onednn and want and _tn_takes(grad, rows) for grad, want in zip(grad_rows, wanted)]
+    transposing = on_onednn and any(want and not t for want, t in zip(wanted, tn))
+    rows_t = transposed(rows) if transposing else None  # once, for every weight gradient
     weight_grads: list[torch.Tensor | None] = []
-    for grad, want in zip(grad_rows, wanted):
+    for grad, want, straight in zip(grad_rows, wanted, tn):
         if not want:
             weight_grads.append(None)
+        elif straight:
+            weight_grads.append(panel_gemm_op().tn_weight_grad(grad, rows))
         elif rows_t is None:
             weight_grads.append(grad.t() @ rows)
         else:
@@ -320,9 +346,9 @@ def swiglu_linears(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Ten
 
 def packed_swiglu_weights(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The gate and up weights where an MLP's silu(gate(x)) * up(x) with autograd can run the packed
-    SwiGLU GEMM (`packed_swiglu_op`): OneDnnLinear modules without biases or hooks of their own that
+    SwiGLU GEMM (`panel_gemm_op`): OneDnnLinear modules without biases or hooks of their own that
     oneDNN takes x for (so the backward's GEMMs run as `shared_input_grads` runs them); None otherwise."""
-    if packed_swiglu_op() is None or not all(
+    if panel_gemm_op() is None or not all(
             isinstance(m, OneDnnLinearMixin) and not (m._forward_hooks or m._forward_pre_hooks)
             and getattr(m, "bias", None) is None and _onednn_takes(x, m.weight, None) for m in (gate, up)):
         return None
@@ -338,7 +364,7 @@ def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: to
     rollout's prefill) where oneDNN takes both products; None otherwise.
 
     Without biases, on AVX-512 CPUs: `rlhf_cpu_decode.panel_swiglu` over the two weights packed
-    side by side (`packed_swiglu_op`), each register tile of the gate product and the same tile of
+    side by side (`panel_gemm_op`), each register tile of the gate product and the same tile of
     the up product computed together and combined before they are stored, so neither [rows, ffn]
     product is written or read back (tiny Llama, 4096 x 256 -> 688: 6.0 ms against 7.0 for the
     oneDNN epilogue below; the packing is ~0.06 ms a call, a 1/100 of the GEMMs). SiLU as torch
@@ -354,7 +380,7 @@ def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: to
         return None
     rows = rows.contiguous()
     shape = (*x.shape[:-1], up_weight.shape[0])
-    op = packed_swiglu_op() if gate_bias is None and up_bias is None else None
+    op = panel_gemm_op() if gate_bias is None and up_bias is None else None
     if op is not None:
         panels = op.pack_swiglu_panels(gate_weight.t(), up_weight.t())
         return op.panel_swiglu(rows, panels, gate_weight.shape[0]).view(shape)
@@ -363,9 +389,10 @@ def swiglu_in_epilogue(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: to
 
 
 @cache
-def packed_swiglu_op() -> ModuleType | None:
-    """The `rlhf_cpu_decode` op where its AVX-512 kernels run here (its SwiGLU GEMM: the one
-    measured faster than oneDNN's; on AVX2 its 2-row blocks are not); None otherwise."""
+def panel_gemm_op() -> ModuleType | None:
+    """The `rlhf_cpu_decode` op where its AVX-512 kernels run here: its SwiGLU GEMM and its
+    weight-gradient GEMM (`tn_weight_grad`), the ones measured faster than oneDNN's where they are
+    used (on AVX2 its blocks are smaller and they are not); None otherwise."""
     op = load_cpu_decode_op()
     return op if op is not None and "avx512" in op.supported_isas() else None
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from rlhf.engine.cpu_matmul import (linear_add, packed_swiglu_op, packed_swiglu_weights, shared_input_grads,
+from rlhf.engine.cpu_matmul import (linear_add, panel_gemm_op, packed_swiglu_weights, shared_input_grads,
                                     shared_input_linears, swiglu_linears)
 from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
 
@@ -311,7 +311,7 @@ def packed_swiglu(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tens
     if weights is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, *weights)):
         return None
     op = layer_op(x, *weights)
-    return None if op is None else _PackedSwiGLULinears.apply(x, *weights, packed_swiglu_op(), op)
+    return None if op is None else _PackedSwiGLULinears.apply(x, *weights, panel_gemm_op(), op)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:

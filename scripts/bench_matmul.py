@@ -8,7 +8,9 @@ run at a model's linear shapes, per GEMM of a training step, and a whole model's
 Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `weight_grad`
 (dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up;
 the weight gradient also as `onednn_transposed` (oneDNN over a transposed operand, which Zen 5 runs:
-engine/cpu_matmul.py's weight_grad). Then a tiny model's (or --model's) forward + backward with
+engine/cpu_matmul.py's weight_grad) and, on AVX-512 CPUs, `tn` (rlhf_cpu_decode.tn_weight_grad: dY^T X
+straight from the rows, which weight_grad takes up to cpu_matmul.TN_MAX_WIDTH features wide;
+`tn_vs_onednn_transposed` is its speed-up over the transposing path). Then a tiny model's (or --model's) forward + backward with
 every linear as `--cpu-matmul onednn` runs it (forward and input gradient on oneDNN from
 ONEDNN_MIN_ROWS rows and `onednn_min_depth` deep, the weight gradient where `weight_grad_on` says)
 against plain nn.Linear.
@@ -41,7 +43,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict[str, float]]:
-    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_weight_grad_transposed
+    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_weight_grad_transposed, panel_gemm_op
 
     x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
     impls = {
@@ -50,6 +52,9 @@ def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict
         "weight_grad": {"aten": lambda: dy.t() @ x, "onednn": lambda: _onednn_linear(dy.t(), x.t(), None),
                         "onednn_transposed": lambda: onednn_weight_grad_transposed(dy, x)},
     }
+    op = panel_gemm_op()
+    if op is not None and d_in % 16 == 0:  # dY^T X straight from the rows (cpu_matmul.TN_MAX_WIDTH)
+        impls["weight_grad"]["tn"] = lambda: op.tn_weight_grad(dy, x)
     flops = 2 * rows * d_in * d_out
     out = {}
     for gemm, sides in impls.items():
@@ -57,6 +62,8 @@ def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict
         out[gemm] = {f"{side}_gflop_per_s": round(flops / s / 1e9, 1) for side, s in seconds.items()}
         out[gemm].update({f"{side}_speedup": round(seconds["aten"] / s, 3) for side, s in seconds.items()
                           if side != "aten"})
+        if "tn" in seconds:
+            out[gemm]["tn_vs_onednn_transposed"] = round(seconds["onednn_transposed"] / seconds["tn"], 3)
     return out
 
 

@@ -184,6 +184,28 @@ def test_panel_swiglu_is_silu_of_gate_times_up(op, rows: int) -> None:
         op.panel_swiglu(x, panels, ffn + 16)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300, 1100])
+def test_tn_weight_grad_is_dy_transposed_times_x(op, rows: int) -> None:
+    """tn_weight_grad (a linear's weight gradient dY^T X straight from the rows of dY and X) equals
+    dy.t() @ x to float32 rounding on every kernel set, the same bits on AVX2 and AVX-512 (each
+    output one multiply-add chain over the rows in order, whatever the chunking), output rows past
+    the last whole block and more rows than one chunk included; refuses an input width that is not
+    a multiple of 16 and rows that differ."""
+    gen = torch.Generator().manual_seed(11)
+    for d_out, d_in in ((256, 256), (98, 256), (37, 48), (7, 16), (300, 64)):
+        dy, x = torch.randn(rows, d_out, generator=gen), torch.randn(rows, d_in, generator=gen)
+        want = (dy.double().t() @ x.double()).float()
+        got = {isa: op.tn_weight_grad(dy, x, isa=isa) for isa in op.supported_isas()}
+        for isa, out in got.items():
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * rows**0.5, msg=isa)
+        if "avx512" in got:
+            assert torch.equal(got["avx2"], got["avx512"])
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op.tn_weight_grad(torch.randn(8, 4), torch.randn(8, 20))
+    with pytest.raises(RuntimeError, match="same rows"):
+        op.tn_weight_grad(torch.randn(8, 4), torch.randn(9, 16))
+
+
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-mha-biases"])
 def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, shape: str) -> None:
     """kv_cache_dtype="fp16": every kernel set rounds this step's key and value into the float16

@@ -52,18 +52,33 @@ def test_linear_matches_torch(bias: bool, shape: tuple[int, ...]) -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("d_in, d_out", [(67, 67), (67, 31), (31, 67), (40, 80), (256, 98)])
-def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out: int) -> None:
+@pytest.mark.parametrize("d_in, d_out", [(67, 67), (67, 31), (31, 67), (40, 80), (256, 98), (256, 256), (48, 300)])
+@pytest.mark.parametrize("tn", [True, False], ids=["tn", "transposing"])
+def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out: int, tn: bool) -> None:
     """With oneDNN's weight gradient (Zen 5), dY^T X over a transposed dY, or over a transposed X
-    when out >= 2 in (the product transposed back), equals torch's matmul up to rounding, laid out
-    as the weight; below ONEDNN_MIN_ROWS rows it is torch's matmul, bit for bit."""
+    when out >= 2 in (the product transposed back), or straight from the rows (tn_weight_grad, on
+    AVX-512 CPUs, both widths up to TN_MAX_WIDTH and in a multiple of 16), equals torch's matmul up
+    to rounding, laid out as the weight; below ONEDNN_MIN_ROWS rows it is torch's matmul, bit for bit."""
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
+    real = cpu_matmul.panel_gemm_op()
+    if tn and real is None:
+        pytest.skip("no AVX-512 rlhf_cpu_decode op here")
+    calls = []
+
+    class Counted:
+        def tn_weight_grad(self, *args):
+            calls.append(args)
+            return real.tn_weight_grad(*args)
+
+    monkeypatch.setattr(cpu_matmul, "panel_gemm_op", (lambda: Counted()) if tn else (lambda: None))
+    takes_tn = tn and max(d_in, d_out) <= cpu_matmul.TN_MAX_WIDTH and d_in % 16 == 0
     gen = torch.Generator().manual_seed(2)
     for rows in (ONEDNN_MIN_ROWS, 1031):
         dy, x = torch.randn(rows, d_out, generator=gen), torch.randn(rows, d_in, generator=gen)
         got = cpu_matmul.weight_grad(dy, x)
         assert got.shape == (d_out, d_in) and got.is_contiguous()
         torch.testing.assert_close(got, dy.t() @ x, rtol=1e-5, atol=1e-4 * rows**0.5 / 8)
+    assert len(calls) == 2 * takes_tn
     few = ONEDNN_MIN_ROWS - 1
     dy, x = torch.randn(few, d_out, generator=gen), torch.randn(few, d_in, generator=gen)
     assert torch.equal(cpu_matmul.weight_grad(dy, x), dy.t() @ x)
@@ -118,6 +133,25 @@ def test_shared_input_linears_match_the_separate_linears(monkeypatch, zen5: bool
     assert {type(o.grad_fn).__name__ for o in outputs} == {"_OneDnnSharedInputLinearsBackward"}
     with torch.no_grad():
         assert all(o.grad_fn is None for o in cpu_matmul.shared_input_linears(x, tuple(modules)))
+
+
+@needs_onednn
+def test_shared_input_grads_mix_straight_and_transposing_weight_grads(monkeypatch) -> None:
+    """Linears of one input whose weight gradients go partly through tn_weight_grad (widths up to
+    TN_MAX_WIDTH) and partly over the input transposed once (a wider one): every gradient equals
+    torch's matmul up to rounding."""
+    if cpu_matmul.panel_gemm_op() is None:
+        pytest.skip("no AVX-512 rlhf_cpu_decode op here")
+    monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
+    gen = torch.Generator().manual_seed(6)
+    rows, d_in = 700, 64
+    x = torch.randn(rows, d_in, generator=gen)
+    weights = [torch.randn(d_out, d_in, generator=gen) for d_out in (64, 16, 300)]
+    grads = [torch.randn(rows, w.shape[0], generator=gen) for w in weights]
+    grad_x, weight_grads = cpu_matmul.shared_input_grads(x, weights, grads, True, [True, True, True])
+    torch.testing.assert_close(grad_x, sum(g @ w for g, w in zip(grads, weights)), rtol=1e-5, atol=1e-4)
+    for got, g in zip(weight_grads, grads):
+        torch.testing.assert_close(got, g.t() @ x, rtol=1e-5, atol=1e-4)
 
 
 def test_onednn_weight_grad_and_min_depth_follow_the_cpu(monkeypatch) -> None:
@@ -216,14 +250,14 @@ def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool, pack
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Without autograd, silu(gate(x)) * up(x) of two OneDnn linears comes from a GEMM epilogue and
     matches torch's ops to rounding: the packed SwiGLU GEMM (rlhf_cpu_decode.panel_swiglu) where
-    there are no biases and `packed_swiglu_op` has it, else oneDNN (swish in the gate's epilogue,
+    there are no biases and `panel_gemm_op` has it, else oneDNN (swish in the gate's epilogue,
     the up projection's output multiplied in place); with autograd, or a plain nn.Linear, or too
     few rows, there is no such path (None: the caller's own)."""
-    if packed and cpu_matmul.packed_swiglu_op() is None:
+    if packed and cpu_matmul.panel_gemm_op() is None:
         pytest.skip("no AVX-512 rlhf_cpu_decode op here")
     calls = []
     if packed:
-        real = cpu_matmul.packed_swiglu_op()
+        real = cpu_matmul.panel_gemm_op()
 
         class Counted:
             pack_swiglu_panels = real.pack_swiglu_panels
@@ -232,9 +266,9 @@ def test_inference_swiglu_runs_in_the_gemm_epilogue_and_matches(bias: bool, pack
                 calls.append(args)
                 return real.panel_swiglu(*args)
 
-        monkeypatch.setattr(cpu_matmul, "packed_swiglu_op", Counted)
+        monkeypatch.setattr(cpu_matmul, "panel_gemm_op", Counted)
     else:
-        monkeypatch.setattr(cpu_matmul, "packed_swiglu_op", lambda: None)
+        monkeypatch.setattr(cpu_matmul, "panel_gemm_op", lambda: None)
     gen = torch.Generator().manual_seed(0)
     gate, up = nn.Linear(256, 344, bias=bias), nn.Linear(256, 344, bias=bias)
     with torch.no_grad():

@@ -379,7 +379,7 @@ def test_epilogue_fusions_of_onednn_linears_match_hugging_face(op) -> None:
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     calls = {"add": 0, "swiglu": 0, "packed": 0}
     real_add, real_swiglu, real_packed = cpu_matmul._OneDnnLinearAdd.apply, cpu_matmul.swiglu_linears, packed_swiglu
-    packs = cpu_matmul.packed_swiglu_op() is not None  # AVX-512: the packed SwiGLU GEMM, with autograd too
+    packs = cpu_matmul.panel_gemm_op() is not None  # AVX-512: the packed SwiGLU GEMM, with autograd too
 
     def counting_add(*args):
         calls["add"] += 1
@@ -420,7 +420,7 @@ def test_packed_swiglu_gradients_match_two_linears_and_the_reference(op, rows: i
     match torch's silu(x @ gate^T) * (x @ up^T) to rounding, for a width that is not a multiple of
     the panels' 16 columns; its backward writes over the saved products, so a second backward
     through the graph fails loudly; a gate with a bias is not taken."""
-    if cpu_matmul.packed_swiglu_op() is None:
+    if cpu_matmul.panel_gemm_op() is None:
         pytest.skip("no AVX-512 rlhf_cpu_decode op here")
     gen = torch.Generator().manual_seed(11)
     gate, up = nn.Linear(256, 200, bias=False), nn.Linear(256, 200, bias=False)

@@ -487,6 +487,30 @@ std::vector<at::Tensor> panel_swiglu_products(const at::Tensor& x, const at::Ten
   return swiglu_through_panels(x, panels, ffn, isa, true);
 }
 
+// dy^T x [out, in] (a linear's weight gradient from its output gradient's rows dy [n, out] and
+// its input's rows x [n, in], both contiguous) straight from their rows (tn_gemm: no transposes);
+// `in` a multiple of 16. Rows of the output split evenly over the intra-op threads.
+at::Tensor tn_weight_grad(const at::Tensor& dy, const at::Tensor& x, const std::string& isa) {
+  TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0),
+              "rlhf_cpu_decode.tn_weight_grad: dy [n, out] and x [n, in] must have the same rows");
+  check_weight(dy, "dy", {dy.size(0), dy.size(1)});
+  check_weight(x, "x", {x.size(0), x.size(1)});
+  TORCH_CHECK(x.size(1) % kPanelColumns == 0, "rlhf_cpu_decode.tn_weight_grad: in (", x.size(1),
+              ") must be a multiple of ", kPanelColumns);
+  std::string chosen;
+  const Kernels& kernels = resolve_isa(isa, chosen);
+  const int64_t m = dy.size(1), n = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const TnGemmArgs args{dy.data_ptr<float>(), m, x.data_ptr<float>(), n, out.data_ptr<float>(), m, n, x.size(0)};
+  // One contiguous run of rows per thread, cut at multiples of 8 rows (every block size's).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per_thread = divup(divup(m, threads), 8) * 8;
+  at::parallel_for(0, divup(m, per_thread), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) kernels.tn_gemm(args, i * per_thread, std::min(m, (i + 1) * per_thread));
+  });
+  return out;
+}
+
 // One token per row of logits [B, vocab] (float32, CPU) from uniforms [B] in [0, 1).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, double temperature, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.scalar_type() == at::kFloat,
@@ -639,6 +663,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ffn"), py::arg("isa") = "auto",
         "panel_swiglu's activation and the two products it multiplied, [activation, x @ gate_t, x @ up_t], each "
         "[rows, ffn] (for a backward).",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tn_weight_grad", &rlhf_decode::tn_weight_grad, py::arg("dy"), py::arg("x"), py::arg("isa") = "auto",
+        "dy^T x [out, in] (a linear's weight gradient) from the rows of dy [n, out] and x [n, in], no transposes.",
         py::call_guard<py::gil_scoped_release>());
   m.def("sample", &rlhf_decode::sample_rows, py::arg("logits"), py::arg("uniform"), py::arg("temperature") = 1.0,
         py::arg("isa") = "auto",

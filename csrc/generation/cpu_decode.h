@@ -55,6 +55,17 @@ struct PanelGemmArgs {
   float* up_out = nullptr;
 };
 
+// A^T B over row-major A [K, M] and B [K, N] (a linear's output gradient dY and input X: its
+// weight gradient dY^T X [M, N]) read straight from their rows: no transposes, no packing.
+struct TnGemmArgs {
+  const float* a;
+  int64_t lda;
+  const float* b;
+  int64_t ldb;
+  float* out;  // [M, N], row stride N
+  int64_t m, n, k;
+};
+
 struct Kernels {
   // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows [0, rows) of width dim.
   void (*rms_norm)(const float* x, const float* weight, float* out, int64_t rows, int64_t dim, float eps);
@@ -78,6 +89,9 @@ struct Kernels {
   // Output columns [c0, c1) of silu(x @ gate) * (x @ up) over pack_swiglu_panels' pairs of panels
   // (a.bias unused): each product the same multiply-add chain as panel_gemm's, then silu_mul's math.
   void (*panel_swiglu)(const PanelGemmArgs& a, int64_t c0, int64_t c1);
+  // Rows [m0, m1) of A^T B (TnGemmArgs; N a multiple of kPanelColumns): each output one
+  // multiply-add chain over k in order, k taken in chunks that stay in L2.
+  void (*tn_gemm)(const TnGemmArgs& t, int64_t m0, int64_t m1);
 };
 
 const Kernels& scalar_kernels();

@@ -24,6 +24,7 @@ const Kernels& scalar_kernels() {
       &scalar::sample_row<scalar::Scalar>,
       &scalar::panel_gemm<scalar::Scalar>,
       &scalar::panel_swiglu<scalar::Scalar>,
+      &scalar::tn_gemm<scalar::Scalar>,
   };
   return kernels;
 }

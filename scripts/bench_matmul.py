@@ -8,12 +8,12 @@ run at a model's linear shapes, per GEMM of a training step, and a whole model's
 Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `weight_grad`
 (dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up;
 the weight gradient also as `onednn_transposed` (oneDNN over a transposed operand, which Zen 5 runs:
-engine/cpu_matmul.py's weight_grad) and, on AVX-512 CPUs, `tn` (rlhf_cpu_decode.tn_weight_grad: dY^T X
-straight from the rows, which weight_grad takes up to cpu_matmul.TN_MAX_WIDTH features wide;
-`tn_vs_onednn_transposed` is its speed-up over the transposing path). Then a tiny model's (or --model's) forward + backward with
-every linear as `--cpu-matmul onednn` runs it (forward and input gradient on oneDNN from
-ONEDNN_MIN_ROWS rows and `onednn_min_depth` deep, the weight gradient where `weight_grad_on` says)
-against plain nn.Linear.
+engine/cpu_matmul.py's weight_grad) and, on AVX-512 CPUs, `tn` (rlhf_cpu_decode.tn_weight_grad:
+dY^T X straight from the rows, which weight_grad takes up to cpu_matmul.TN_MAX_WIDTH features wide;
+`tn_vs_onednn_transposed` is its speed-up over the transposing path). Then a tiny model's (or
+--model's) forward + backward with every linear as `--cpu-matmul onednn` runs it (forward and input
+gradient on oneDNN from ONEDNN_MIN_ROWS rows and `onednn_min_depth` deep, the weight gradient where
+`weight_grad_on` says) against plain nn.Linear.
 The last line is one JSON object; `resolved_auto` says what `--cpu-matmul auto` picks on this machine.
 """
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from rlhf.engine.cpu_matmul import (linear_add, panel_gemm_op, packed_swiglu_weights, shared_input_grads,
+from rlhf.engine.cpu_matmul import (linear_add, packed_swiglu_weights, panel_gemm_op, shared_input_grads,
                                     shared_input_linears, swiglu_linears)
 from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
 

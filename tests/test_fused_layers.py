@@ -439,7 +439,8 @@ def test_packed_swiglu_gradients_match_two_linears_and_the_reference(op, rows: i
     _close(got, want, rtol=1e-5, atol=1e-5 * float(want.detach().abs().max()))
     got.backward(grad, retain_graph=True)
     want.backward(grad)
-    for a, b in ((x.grad, x_ref.grad), (gate.weight.grad, plain[0].weight.grad), (up.weight.grad, plain[1].weight.grad)):
+    pairs = ((x.grad, x_ref.grad), (gate.weight.grad, plain[0].weight.grad), (up.weight.grad, plain[1].weight.grad))
+    for a, b in pairs:
         _close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         got.backward(grad)

@@ -64,7 +64,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, mode: str, zero_sta
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf.engine.config import EngineConfig
-    from rlhf.engine.distributed import DistributedContext
+    from rlhf.engine.distributed import DistributedContext, exit_rank
     from rlhf.engine.fsdp import local_parameter_count
     from rlhf.engine.train_engine import TrainEngine
     from rlhf.models.loading import deferred_causal_lm, load_causal_lm
@@ -85,6 +85,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, mode: str, zero_sta
               "local_mb": local_parameter_count(engine.model) * 4 / 2**20, "seconds": seconds}
     Path(out, f"{mode}-{rank}.json").write_text(json.dumps(result))
     ctx.shutdown()
+    exit_rank(0)  # as the CLI ends a rank: no interpreter finalization (engine/distributed.py's exit_rank says why)
 
 
 def free_port() -> int:

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from rlhf.engine.config import EngineConfig
-from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.distributed import DistributedContext, exit_rank
 from rlhf.engine.export import export_model, export_state_dict
 from rlhf.engine.inference import FrozenModel
 from rlhf.engine.train_engine import TrainEngine
@@ -166,6 +166,7 @@ def _worker(rank: int, port: int, folders: dict[str, str], out_dir: str) -> None
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         ctx.shutdown()
+    exit_rank()  # as the CLI ends a rank: no interpreter finalization (exit_rank says why)
 
 
 def test_two_ranks_load_and_export_as_full_loading_and_gathering(folders: dict[str, str], tmp_path: Path) -> None:

@@ -247,8 +247,8 @@ class TrainEngine:
             if not grads or max_norm == float("inf"):
                 return float(norm), 1.0
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_ coefficient
-            if isinstance(self.optimizer, FusedAdamW) and math.isfinite(float(coef)):
-                return float(norm), float(coef)
+            if isinstance(self.optimizer, FusedAdamW) and math.isfinite(scale := float(coef)):
+                return float(norm), scale
             torch._foreach_mul_(grads, coef)
             return float(norm), 1.0
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

@@ -40,21 +40,27 @@ std::vector<std::string> supported_isas() {
 
 std::string best_isa() { return supported_isas().back(); }
 
-AdamSpanFn resolve_isa(const std::string& requested) {
+// The kernels one call runs: the span update and the sum of squares of one instruction set.
+struct IsaKernels {
+  AdamSpanFn adam_span;
+  SumOfSquaresFn sum_of_squares;
+};
+
+IsaKernels resolve_isa(const std::string& requested) {
   const std::string isa = requested == "auto" ? best_isa() : requested;
 #if defined(__x86_64__) || defined(_M_X64)
   if (isa == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), "fused_adam_cpu: this CPU has no AVX-512F");
-    return &adam_span_avx512;
+    return {&adam_span_avx512, &sum_of_squares_avx512};
   }
   if (isa == "avx2") {
     TORCH_CHECK(cpu_has_avx2(), "fused_adam_cpu: this CPU has no AVX2/FMA");
-    return &adam_span_avx2;
+    return {&adam_span_avx2, &sum_of_squares_avx2};
   }
 #endif
   TORCH_CHECK(isa == "scalar", "fused_adam_cpu: unknown or unsupported isa '", requested,
               "' (supported: auto, ", c10::Join(", ", supported_isas()), ")");
-  return &adam_span_scalar;
+  return {&adam_span_scalar, &sum_of_squares_scalar};
 }
 
 // Returns whether every updated value (the fp32 working copy: the master where there is one) is finite.
@@ -70,7 +76,7 @@ bool adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   if (!params.empty()) {
     TORCH_CHECK(params[0].device().is_cpu(), "fused_adam_cpu: tensors must be on the CPU");
   }
-  const AdamSpanFn kernel = resolve_isa(isa);
+  const AdamSpanFn kernel = resolve_isa(isa).adam_span;
   // Per tensor: params of one group may be at different steps (added to the optimizer later).
   std::vector<AdamHyper> hypers;
   for (const int64_t step : increment_steps(steps)) {
@@ -111,22 +117,11 @@ bool adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 }
 
-SumOfSquaresFn resolve_sum_of_squares(const std::string& requested) {
-  const std::string isa = requested == "auto" ? best_isa() : requested;
-#if defined(__x86_64__) || defined(_M_X64)
-  if (isa == "avx512" && cpu_has_avx512()) return &sum_of_squares_avx512;
-  if (isa == "avx2" && cpu_has_avx2()) return &sum_of_squares_avx2;
-#endif
-  TORCH_CHECK(isa == "scalar" || isa == "avx2" || isa == "avx512", "fused_adam_cpu: unknown isa '", requested, "'");
-  TORCH_CHECK(isa == "scalar", "fused_adam_cpu: this CPU cannot run isa '", requested, "'");
-  return &sum_of_squares_scalar;
-}
-
 // The L2 norm of every value of `tensors` together (a total gradient norm): float32 or bf16
 // contiguous CPU tensors, cut into chunks summed on torch's intra-op threads in float vector
 // accumulators, the chunks' sums added in double.
 double l2_norm(const std::vector<at::Tensor>& tensors, const std::string& isa) {
-  const SumOfSquaresFn kernel = resolve_sum_of_squares(isa);
+  const SumOfSquaresFn kernel = resolve_isa(isa).sum_of_squares;
   struct Chunk {
     const char* data;
     int64_t n;

@@ -14,6 +14,16 @@ are small. Memory stays mapped at its peak instead of being returned
 between steps (up to 2 GiB of free heap top is kept). A
 MALLOC_* variable in the environment (the user's own tuning, read by glibc at start) leaves
 everything as it is.
+
+`populate_heap()`, called after every step of a stage (PPO: every iteration), faults in at once
+the heap pages reserved but never touched: the whole heap the first time, then what it grew by
+since (Linux 5.14+'s MADV_POPULATE_WRITE). The heap reaches about its size in the first step, but
+later steps land their tensors on pages of it the first did not touch: on the peers' tiny Llama
+at 256 new tokens, PPO iterations 2-5 took 4-15 thousand page faults each (10-100 ms of a 2 s
+iteration in the kernel, one trap per 4 KiB page) and none after; populated, iteration 2 on
+takes none, for one 70 ms call after the first (~4 us a page against ~13 us a trap) and ~70 MB
+more resident at once. A heap that grows later costs one more trap per page only in the step
+it grows in.
 """
 
 from __future__ import annotations
@@ -22,17 +32,22 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
+PROC_MAPS = "/proc/self/maps"
 MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 TRIM_THRESHOLD = 2**31 - 1  # the largest a C int (mallopt's argument) holds
 TOP_PAD = 256 * 2**20
 
 _tuned = False
+_libc: ctypes.CDLL | None = None
+_populated_end = 0
 
 
 def tune_glibc_malloc() -> bool:
@@ -42,11 +57,13 @@ def tune_glibc_malloc() -> bool:
         return True
     if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
         return False
+    global _libc
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl or another libc: nothing to tune
         return False
+    _libc = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _tuned = all(mallopt(option, value) == 1 for option, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
@@ -55,4 +72,38 @@ def tune_glibc_malloc() -> bool:
     return _tuned
 
 
-__all__ = ["tune_glibc_malloc"]
+def heap_span() -> tuple[int, int] | None:
+    """[start, end) of the process's brk heap (glibc's main arena), from /proc/self/maps."""
+    try:
+        with open(PROC_MAPS) as maps:
+            for line in maps:
+                if line.rstrip().endswith("[heap]"):
+                    start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                    return start, end
+    except OSError:
+        return None
+    return None
+
+
+def populate_heap() -> int:
+    """Fault in the heap's pages not yet resident (see the module docstring): the bytes of the
+    heap it covered (0: nothing new, or the malloc settings are not this module's, or the kernel
+    cannot)."""
+    global _populated_end
+    span = heap_span() if _tuned and _libc is not None else None
+    if span is None or span[1] <= _populated_end:
+        return 0
+    start = max(span[0], _populated_end)
+    madvise = _libc.madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    started = time.perf_counter()
+    if madvise(start, span[1] - start, MADV_POPULATE_WRITE) != 0:
+        log.debug("MADV_POPULATE_WRITE refused (kernel before 5.14?): heap pages fault in as touched")
+        _populated_end = 2**64  # not again
+        return 0
+    _populated_end = span[1]
+    log.debug("heap populated: %d MiB in %.1f ms", (span[1] - start) >> 20, (time.perf_counter() - started) * 1e3)
+    return span[1] - start
+
+
+__all__ = ["heap_span", "populate_heap", "tune_glibc_malloc"]

@@ -61,6 +61,7 @@ from rlhf.engine.export import export_state_dict
 from rlhf.engine.fast_decode import kv_cache_halved
 from rlhf.engine.fsdp import COMPUTE_DTYPES
 from rlhf.engine.generation import check_rollout_fits
+from rlhf.engine.host_memory import populate_heap
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
 from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
 from rlhf.engine.memory import PhaseMemory
@@ -400,6 +401,7 @@ class PPOTrainer:
             metrics = self.log_iteration(iteration, rollouts, exp, update_metrics, kl, seconds)
             if iteration == self.start_iteration:
                 self.check_reward_spread(rollouts)
+            populate_heap()  # the pages later iterations would fault in one by one (engine/host_memory.py)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['score_mean']:.3f}", kl=f"{kl:.3f}")
             self.save_checkpoint(iteration + 1)

@@ -26,6 +26,7 @@ from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.memory import PhaseMemory, record_baseline
+from rlhf.engine.host_memory import populate_heap
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
@@ -370,6 +371,7 @@ def run_training(
                 metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch,
                                      config.max_tokens_per_micro_batch, row_lengths, packed)
             metrics.update(memory.metrics(ctx.all_reduce_max))
+            populate_heap()  # the pages later steps would fault in one by one (engine/host_memory.py)
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:

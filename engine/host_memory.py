@@ -15,7 +15,8 @@ between steps (up to 2 GiB of free heap top is kept). A
 MALLOC_* variable in the environment (the user's own tuning, read by glibc at start) leaves
 everything as it is.
 
-`populate_heap()`, called after every step of a stage (PPO: every iteration), faults in at once
+`populate_heap()`, called after every step of a stage (PPO: at the end of every iteration's
+training phase, whose time and peak memory it counts in), faults in at once
 the heap pages reserved but never touched: the whole heap the first time, then what it grew by
 since (Linux 5.14+'s MADV_POPULATE_WRITE). The heap reaches about its size in the first step, but
 later steps land their tensors on pages of it the first did not touch: on the peers' tiny Llama

@@ -395,13 +395,13 @@ class PPOTrainer:
                 exp = self.make_experience(rollouts)
             with timed(seconds, "training_s"), self.memory.phase("training"):
                 update_metrics = self.update(exp, iteration)
+                populate_heap()  # the pages later iterations would fault in one by one (engine/host_memory.py)
             if self.ema is not None:
                 self.ema.update(self.actor.model)
             kl = self.update_kl_controller(exp)
             metrics = self.log_iteration(iteration, rollouts, exp, update_metrics, kl, seconds)
             if iteration == self.start_iteration:
                 self.check_reward_spread(rollouts)
-            populate_heap()  # the pages later iterations would fault in one by one (engine/host_memory.py)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['score_mean']:.3f}", kl=f"{kl:.3f}")
             self.save_checkpoint(iteration + 1)

@@ -31,6 +31,7 @@ def test_populate_heap_makes_every_heap_page_resident_and_keeps_contents(monkeyp
         monkeypatch.delenv(name)
     assert host_memory.tune_glibc_malloc() is True
     monkeypatch.setattr(host_memory, "_populated_end", 0)
+    monkeypatch.setattr(host_memory, "_populate_refused", False)
     kept = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB on the heap (no mmap once tuned), touched
     fresh = torch.empty(16 << 20, dtype=torch.uint8)  # 16 MiB, not touched (in a fresh process: on the heap)
     populated = host_memory.populate_heap()

@@ -67,6 +67,7 @@ def tune_glibc_malloc() -> bool:
         return False
     _libc = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     _tuned = all(mallopt(option, value) == 1 for option, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_TOP_PAD, TOP_PAD)))
@@ -92,17 +93,15 @@ def populate_heap() -> int:
     heap it covered (0: nothing new, or the malloc settings are not this module's, or the kernel
     cannot)."""
     global _populated_end, _populate_refused
-    span = heap_span() if _tuned and _libc is not None and not _populate_refused else None
+    span = heap_span() if _tuned and not _populate_refused else None
     if span is None:
         return 0
     _populated_end = min(_populated_end, span[1])  # a trimmed heap's pages above its end went back
     if span[1] == _populated_end:
         return 0
     start = max(span[0], _populated_end)
-    madvise = _libc.madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     started = time.perf_counter()
-    if madvise(start, span[1] - start, MADV_POPULATE_WRITE) != 0:
+    if _libc.madvise(start, span[1] - start, MADV_POPULATE_WRITE) != 0:
         log.debug("MADV_POPULATE_WRITE refused (kernel before 5.14?): heap pages fault in as touched")
         _populate_refused = True
         return 0

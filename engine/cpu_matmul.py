@@ -35,11 +35,11 @@ from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
-    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "TN_MAX_WIDTH", "full_width_avx512_amd",
-    "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth", "onednn_weight_grad",
-    "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op", "resolve_cpu_matmul",
-    "shared_input_grads", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears", "use_onednn_linears",
-    "uses_onednn_linears", "weight_grad",
+    "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "TN_MAX_WIDTH", "TRANSPOSED_INPUT_MAX_WIDTH",
+    "full_width_avx512_amd", "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth",
+    "onednn_weight_grad", "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op",
+    "resolve_cpu_matmul", "shared_input_grads", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears",
+    "transposes_input", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
 
 ONEDNN_MIN_ROWS = 64
@@ -183,13 +183,31 @@ def _input_grad(grad_rows: torch.Tensor, weight: torch.Tensor, into: torch.Tenso
     return into.addmm_(grad_rows, weight)
 
 
+TRANSPOSED_INPUT_MAX_WIDTH = 512
+"""Widest input (in features) whose weight gradient on oneDNN transposes the input X rather than
+the output gradient dY (`transposes_input`, where dY is also at least twice as wide). Measured on a
+2-core Zen 5 EPYC (medians of 21 calls, each path's best of 3), rows x out x in, transposing dY
+against transposing X: 4096 x 688 x 256 1.23x slower, 4096 x 1376 x 512 1.16x, 1024 x 1376 x 512
+1.13x, 4096 x 1024 x 256 1.17x (so X up to 512); but from 576 features in dY's transpose was the
+faster: 4096 x 1536 x 576 0.83x, 2048 x 1536 x 576 0.82x, 688 x 1536 x 576 0.96x, 1024 x 4864 x
+896 0.90x, and a 49152-token vocabulary's head (SmolLM2-135M, 264 rows) 0.81x (44.1 -> 35.7 ms):
+there the [in, out] product the X path transposes back outweighs the copy it saves. With X's
+transpose shared by two gradients (`shared_input_grads`, gate and up): 2048 / 4096 x 1536 x 576
+0.85x, 4096 x 688 x 256 1.23x."""
+
+
+def transposes_input(out_features: int, in_features: int) -> bool:
+    """Whether oneDNN's weight gradient dY^T X transposes X (then the [in, out] product back) rather
+    than dY: dY at least twice as wide as X, and X at most TRANSPOSED_INPUT_MAX_WIDTH wide."""
+    return out_features >= 2 * in_features and in_features <= TRANSPOSED_INPUT_MAX_WIDTH
+
+
 def onednn_weight_grad_transposed(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """dY^T X through oneDNN, whose kernels read a strided source (dY^T seen transposed) at about
     half their rate: dY is transposed first (engine/layer_op.py's register-tiled transpose) so that
-    oneDNN's source is contiguous, or X where dY is at least twice as wide (the cheaper copy; then
-    the [in, out] product is transposed back). Either was the faster where it is used, measured at
-    4096 rows (in -> out 256 -> 512: 334 against 295 GFLOP/s; 512 -> 256: 340 against 289)."""
-    if grad_rows.shape[1] >= 2 * rows.shape[1]:
+    oneDNN's source is contiguous, or X where `transposes_input` says so (a narrow X under a dY at
+    least twice as wide: the cheaper copy; then the [in, out] product is transposed back)."""
+    if transposes_input(grad_rows.shape[1], rows.shape[1]):
         return transposed(_onednn_linear(transposed(rows), grad_rows.t(), None))
     return _onednn_linear(transposed(grad_rows), rows.t(), None)
 
@@ -269,27 +287,31 @@ def shared_input_grads(rows: torch.Tensor, weights: list[torch.Tensor] | tuple[t
                        wanted: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The gradients of linears of one input's rows [n, in] (no biases) from their outputs'
     gradients [n, out_i] (contiguous): the input's (where `input_grad`: the products accumulated in
-    place into one tensor) and each weight's where `wanted` (X^T dY transposed back, X transposed
-    once for all of them where `weight_grad` takes oneDNN; dY^T X straight from the rows where it
-    takes `tn_weight_grad`), as `_OneDnnSharedInputLinears` runs them."""
+    place into one tensor) and each weight's where `wanted` (where `weight_grad` takes oneDNN: X^T dY
+    transposed back, X transposed once for every gradient `transposes_input` sends that way, else
+    over its own dY transposed; dY^T X straight from the rows where it takes `tn_weight_grad`), as
+    `_OneDnnSharedInputLinears` runs them."""
     grad_x = None
     if input_grad:
         for grad, weight in zip(grad_rows, weights):
             grad_x = _input_grad(grad, weight, grad_x)
     on_onednn = _weight_grad_on_onednn(rows.shape[0])
     tn = [on_onednn and want and _tn_takes(grad, rows) for grad, want in zip(grad_rows, wanted)]
-    transposing = on_onednn and any(want and not t for want, t in zip(wanted, tn))
-    rows_t = transposed(rows) if transposing else None  # once, for every weight gradient
+    over_x = [on_onednn and want and not t and transposes_input(grad.shape[1], rows.shape[1])
+              for grad, want, t in zip(grad_rows, wanted, tn)]
+    rows_t = transposed(rows) if any(over_x) else None  # once, for every weight gradient that takes it
     weight_grads: list[torch.Tensor | None] = []
-    for grad, want, straight in zip(grad_rows, wanted, tn):
+    for grad, want, straight, x_side in zip(grad_rows, wanted, tn, over_x):
         if not want:
             weight_grads.append(None)
         elif straight:
             weight_grads.append(panel_gemm_op().tn_weight_grad(grad, rows))
-        elif rows_t is None:
+        elif not on_onednn:
             weight_grads.append(grad.t() @ rows)
-        else:
+        elif x_side:
             weight_grads.append(transposed(_onednn_linear(rows_t, grad.t(), None)))
+        else:
+            weight_grads.append(_onednn_linear(transposed(grad), rows.t(), None))
     return grad_x, weight_grads
 
 

@@ -52,11 +52,12 @@ def test_linear_matches_torch(bias: bool, shape: tuple[int, ...]) -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("d_in, d_out", [(67, 67), (67, 31), (31, 67), (40, 80), (256, 98), (256, 256), (48, 300)])
+@pytest.mark.parametrize("d_in, d_out", [(67, 67), (67, 31), (31, 67), (40, 80), (256, 98), (256, 256), (48, 300),
+                                         (528, 1100)])
 @pytest.mark.parametrize("tn", [True, False], ids=["tn", "transposing"])
 def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out: int, tn: bool) -> None:
     """With oneDNN's weight gradient (Zen 5), dY^T X over a transposed dY, or over a transposed X
-    when out >= 2 in (the product transposed back), or straight from the rows (tn_weight_grad, on
+    when out >= 2 in and in <= TRANSPOSED_INPUT_MAX_WIDTH (the product transposed back), or straight from the rows (tn_weight_grad, on
     AVX-512 CPUs, both widths up to TN_MAX_WIDTH and in a multiple of 16), equals torch's matmul up
     to rounding, laid out as the weight; below ONEDNN_MIN_ROWS rows it is torch's matmul, bit for bit."""
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
@@ -152,6 +153,42 @@ def test_shared_input_grads_mix_straight_and_transposing_weight_grads(monkeypatc
     torch.testing.assert_close(grad_x, sum(g @ w for g, w in zip(grads, weights)), rtol=1e-5, atol=1e-4)
     for got, g in zip(weight_grads, grads):
         torch.testing.assert_close(got, g.t() @ x, rtol=1e-5, atol=1e-4)
+
+
+def test_transposes_input_only_for_a_narrow_input_under_a_wider_gradient() -> None:
+    """X is transposed (and the product back) for a narrow input under an output gradient at least
+    twice as wide (the tiny Llama's gate / up: 256 -> 688); from TRANSPOSED_INPUT_MAX_WIDTH + 1
+    features in (SmolLM2's 576 -> 1536, its 49152-token head) and under narrower gradients, dY is."""
+    assert cpu_matmul.transposes_input(688, 256)
+    assert cpu_matmul.transposes_input(2 * cpu_matmul.TRANSPOSED_INPUT_MAX_WIDTH, cpu_matmul.TRANSPOSED_INPUT_MAX_WIDTH)
+    assert not cpu_matmul.transposes_input(1536, 576)
+    assert not cpu_matmul.transposes_input(49152, 576)
+    assert not cpu_matmul.transposes_input(511, 256)
+    assert not cpu_matmul.transposes_input(98, 256)
+
+
+@needs_onednn
+def test_shared_input_grads_split_between_the_two_transposing_paths(monkeypatch) -> None:
+    """Linears of one input whose weight gradients take different transposes (the input once for
+    those `transposes_input` sends that way, each other one's own output gradient): X is
+    transposed once, every gradient equals torch's matmul up to rounding, laid out as its weight."""
+    monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "panel_gemm_op", lambda: None)  # no tn_weight_grad: the transposing paths only
+    copies: list[tuple[int, ...]] = []
+    real = cpu_matmul.transposed
+    monkeypatch.setattr(cpu_matmul, "transposed", lambda t: copies.append(tuple(t.shape)) or real(t))
+    gen = torch.Generator().manual_seed(7)
+    rows, d_in = 300, 40
+    x = torch.randn(rows, d_in, generator=gen)
+    weights = [torch.randn(d_out, d_in, generator=gen) for d_out in (100, 30, 80)]
+    grads = [torch.randn(rows, w.shape[0], generator=gen) for w in weights]
+    grad_x, weight_grads = cpu_matmul.shared_input_grads(x, weights, grads, True, [True, True, True])
+    torch.testing.assert_close(grad_x, sum(g @ w for g, w in zip(grads, weights)), rtol=1e-5, atol=1e-4)
+    for got, g, w in zip(weight_grads, grads, weights):
+        assert got.shape == w.shape and got.is_contiguous()
+        torch.testing.assert_close(got, g.t() @ x, rtol=1e-5, atol=1e-4)
+    # X once; the 30-wide gradient's dY; the 100- and 80-wide products transposed back.
+    assert sorted(copies) == sorted([(rows, d_in), (rows, 30), (d_in, 100), (d_in, 80)])
 
 
 def test_onednn_weight_grad_and_min_depth_follow_the_cpu(monkeypatch) -> None:

@@ -255,18 +255,25 @@ def test_fp16_kv_cache_is_for_float32_models_on_the_cpu() -> None:
         SamplingParams(max_new_tokens=4, pad_token_id=0, kv_cache_dtype="fp8")
 
 
-@pytest.mark.parametrize("layout", ["column-major", "row-major", "column slice"])
-def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op, layout: str) -> None:
-    # The [in, out] views the step packs: a [out, in] weight's .t(), a transposed copy, and gate's
-    # or up's columns of the fused gate/up copy.
-    weight_t = {"column-major": lambda: torch.randn(37, 12).t(), "row-major": lambda: torch.randn(12, 37),
-                "column slice": lambda: torch.randn(12, 50)[:, 5:42]}[layout]()
-    packed = op.pack_panels(weight_t)
-    assert packed.shape == (3, 12, 16)
-    for p in range(3):
-        cols = weight_t[:, 16 * p : 16 * (p + 1)]
-        assert torch.equal(packed[p, :, : cols.shape[1]], cols)
-        assert not packed[p, :, cols.shape[1] :].any()
+@pytest.mark.parametrize("layout", ["column-major", "row-major", "column slice", "strided both"])
+@pytest.mark.parametrize("depth", [12, 40])
+def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op, layout: str, depth: int) -> None:
+    # The [in, out] views the step packs: a [out, in] weight's .t() (through every ISA's register
+    # transposes where `depth` has whole tiles, the rest one float at a time), a transposed copy,
+    # gate's or up's columns of the fused gate/up copy, and a view strided both ways.
+    weight_t = {"column-major": lambda: torch.randn(37, depth).t(), "row-major": lambda: torch.randn(depth, 37),
+                "column slice": lambda: torch.randn(depth, 50)[:, 5:42],
+                "strided both": lambda: torch.randn(2 * depth, 74)[::2, ::2]}[layout]()
+    for isa in op.supported_isas():
+        packed = op.pack_panels(weight_t, isa=isa)
+        assert packed.shape == (3, depth, 16)
+        for p in range(3):
+            cols = weight_t[:, 16 * p : 16 * (p + 1)]
+            assert torch.equal(packed[p, :, : cols.shape[1]], cols)
+            assert not packed[p, :, cols.shape[1] :].any()
+        gate_t, up_t = weight_t, weight_t * 2
+        pairs = op.pack_swiglu_panels(gate_t, up_t, isa=isa)
+        assert torch.equal(pairs[0::2], packed) and torch.equal(pairs[1::2], op.pack_panels(up_t, isa=isa))
 
 
 def test_packed_gemm_follows_the_models_linears_unless_asked(op) -> None:

@@ -92,6 +92,10 @@ struct Kernels {
   // Rows [m0, m1) of A^T B (TnGemmArgs; N a multiple of kPanelColumns): each output one
   // multiply-add chain over k in order, k taken in chunks that stay in L2.
   void (*tn_gemm)(const TnGemmArgs& t, int64_t m0, int64_t m1);
+  // One packed panel (pack_panels) of a transposed view: column c of the panel is the `in` consecutive
+  // floats at src + c * col_stride (a [out, in] weight's row), c < cols <= kPanelColumns, written as
+  // dst[k * kPanelColumns + c]; dst's columns past `cols` are left as they are (zero).
+  void (*pack_transposed)(const float* src, int64_t col_stride, int64_t in, int64_t cols, float* dst);
 };
 
 const Kernels& scalar_kernels();

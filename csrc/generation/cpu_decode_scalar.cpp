@@ -25,6 +25,7 @@ const Kernels& scalar_kernels() {
       &scalar::panel_gemm<scalar::Scalar>,
       &scalar::panel_swiglu<scalar::Scalar>,
       &scalar::tn_gemm<scalar::Scalar>,
+      &scalar::pack_transposed<scalar::Scalar>,
   };
   return kernels;
 }

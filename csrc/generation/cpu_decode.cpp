@@ -549,17 +549,6 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniform, doub
   return tokens;
 }
 
-// log softmax(row)[token] in float32 (max, then the log of the sum of exp(x - max)), as
-// torch.logsumexp computes it (the sum's order differs: the last bit may).
-float row_logprob(const float* row, int64_t vocab, int64_t token) {
-  float best = -INFINITY;
-  for (int64_t i = 0; i < vocab; ++i) best = std::max(best, row[i]);
-  if (best == -INFINITY) return -INFINITY;
-  float total = 0.0f;
-  for (int64_t i = 0; i < vocab; ++i) total += std::exp(row[i] - best);
-  return row[token] - (std::log(total) + best);
-}
-
 // One generation step's sampling and bookkeeping in one call (engine/generation.py's loop body,
 // whose Python is the reference): for each decoded row (`rows`, or every row when empty) a token
 // from softmax(logits / temperature) with EOS ids masked while `suppress_eos` (min_new_tokens),
@@ -619,7 +608,7 @@ at::Tensor sample_record(const at::Tensor& logits, const at::Tensor& uniform, co
         sampled = masked.data();
       }
       decoded[b] = kernels.sample_row(sampled, vocab, static_cast<float>(temperature), draws[b], mass.data());
-      logprob[b] = row_logprob(raw, vocab, decoded[b]);
+      logprob[b] = kernels.row_logprob(raw, vocab, decoded[b]);
     }
   });
   bool* done = finished.data_ptr<bool>();

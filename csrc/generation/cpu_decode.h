@@ -96,6 +96,9 @@ struct Kernels {
   // floats at src + c * col_stride (a [out, in] weight's row), c < cols <= kPanelColumns, written as
   // dst[k * kPanelColumns + c]; dst's columns past `cols` are left as they are (zero).
   void (*pack_transposed)(const float* src, int64_t col_stride, int64_t in, int64_t cols, float* dst);
+  // log softmax(row)[token] in float32: the row's maximum, then the log of the sum of exp(x - max)
+  // (torch.logsumexp's math; the sum's order and exp's last bit differ).
+  float (*row_logprob)(const float* row, int64_t vocab, int64_t token);
 };
 
 const Kernels& scalar_kernels();

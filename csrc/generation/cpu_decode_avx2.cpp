@@ -39,6 +39,7 @@ const Kernels& avx2_kernels() {
       &avx2::panel_swiglu<avx2::Avx2>,
       &avx2::tn_gemm<avx2::Avx2>,
       &avx2::pack_transposed<avx2::Avx2>,
+      &avx2::row_logprob<avx2::Avx2>,
   };
   return kernels;
 }

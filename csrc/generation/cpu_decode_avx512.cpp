@@ -41,6 +41,7 @@ const Kernels& avx512_kernels() {
     k.panel_swiglu = &avx512::panel_swiglu<avx512::Avx512>;
     k.tn_gemm = &avx512::tn_gemm<avx512::Avx512>;
     k.pack_transposed = &avx512::pack_transposed<avx512::Avx512>;
+    k.row_logprob = &avx512::row_logprob<avx512::Avx512>;
     return k;
   }();
   return kernels;

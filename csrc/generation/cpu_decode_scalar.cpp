@@ -26,6 +26,7 @@ const Kernels& scalar_kernels() {
       &scalar::panel_swiglu<scalar::Scalar>,
       &scalar::tn_gemm<scalar::Scalar>,
       &scalar::pack_transposed<scalar::Scalar>,
+      &scalar::row_logprob<scalar::Scalar>,
   };
   return kernels;
 }

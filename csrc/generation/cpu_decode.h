@@ -94,7 +94,7 @@ struct Kernels {
   void (*tn_gemm)(const TnGemmArgs& t, int64_t m0, int64_t m1);
   // One packed panel (pack_panels) of a transposed view: column c of the panel is the `in` consecutive
   // floats at src + c * col_stride (a [out, in] weight's row), c < cols <= kPanelColumns, written as
-  // dst[k * kPanelColumns + c]; dst's columns past `cols` are left as they are (zero).
+  // dst[k * kPanelColumns + c]; dst's columns past `cols` are left as they are (pack_panel zeroes them).
   void (*pack_transposed)(const float* src, int64_t col_stride, int64_t in, int64_t cols, float* dst);
   // log softmax(row)[token] in float32: the row's maximum, then the log of the sum of exp(x - max)
   // (torch.logsumexp's math; the sum's order and exp's last bit differ).

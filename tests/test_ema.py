@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from rlhf.engine.distributed import exit_rank
 from rlhf.engine.ema import ParameterEMA
 
 DECAY = 0.9
@@ -91,6 +92,7 @@ def _sharded_worker(rank: int, port: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_rank()  # as the CLI ends a rank: no interpreter finalization (exit_rank says why)
 
 
 def test_fsdp2_sharded_two_ranks_match_reference_loop() -> None:

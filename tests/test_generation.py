@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from rlhf.engine import kernels
+from rlhf.engine.distributed import exit_rank
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.kv_cache import RolloutKVCache
 from rlhf.engine.ops import load_op
@@ -443,6 +444,7 @@ def _tp_worker(rank: int, world: int, port: int, results) -> None:
         dist.barrier()  # no rank tears gloo down while its peer is still communicating
     finally:
         dist.destroy_process_group()
+    exit_rank()  # as the CLI ends a rank: no interpreter finalization (exit_rank says why)
 
 
 @pytest.mark.slow  # two spawned processes importing transformers: ~20 s on 2 cores

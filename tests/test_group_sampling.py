@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine import generation
+from rlhf.engine.distributed import exit_rank
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.engine.generation import GenerationOutput, HFForwardRunner, generate, group_index
 from rlhf.engine.kernels import generation_kernels
@@ -307,6 +308,7 @@ def _tp_worker(rank: int, world: int, port: int, results) -> None:
         dist.barrier()  # no rank tears gloo down while its peer is still communicating
     finally:
         dist.destroy_process_group()
+    exit_rank()  # as the CLI ends a rank: no interpreter finalization (exit_rank says why)
 
 
 @pytest.mark.slow  # two spawned processes importing transformers: ~20 s on 2 cores

@@ -144,14 +144,20 @@ def test_shared_input_grads_mix_straight_and_transposing_weight_grads(monkeypatc
     if cpu_matmul.panel_gemm_op() is None:
         pytest.skip("no AVX-512 rlhf_cpu_decode op here")
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
-    gen = torch.Generator().manual_seed(6)
-    rows, d_in = 700, 64
+    _check_shared_input_grads(seed=6, rows=700, d_in=64, outs=(64, 16, 300))
+
+
+def _check_shared_input_grads(seed: int, rows: int, d_in: int, outs: tuple[int, ...]) -> None:
+    """shared_input_grads of linears of one random input (`outs` features each) equals torch's
+    matmul up to rounding, every weight gradient laid out as its weight."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, d_in, generator=gen)
-    weights = [torch.randn(d_out, d_in, generator=gen) for d_out in (64, 16, 300)]
+    weights = [torch.randn(d_out, d_in, generator=gen) for d_out in outs]
     grads = [torch.randn(rows, w.shape[0], generator=gen) for w in weights]
-    grad_x, weight_grads = cpu_matmul.shared_input_grads(x, weights, grads, True, [True, True, True])
+    grad_x, weight_grads = cpu_matmul.shared_input_grads(x, weights, grads, True, [True] * len(outs))
     torch.testing.assert_close(grad_x, sum(g @ w for g, w in zip(grads, weights)), rtol=1e-5, atol=1e-4)
-    for got, g in zip(weight_grads, grads):
+    for got, g, w in zip(weight_grads, grads, weights):
+        assert got.shape == w.shape and got.is_contiguous()
         torch.testing.assert_close(got, g.t() @ x, rtol=1e-5, atol=1e-4)
 
 
@@ -177,16 +183,8 @@ def test_shared_input_grads_split_between_the_two_transposing_paths(monkeypatch)
     copies: list[tuple[int, ...]] = []
     real = cpu_matmul.transposed
     monkeypatch.setattr(cpu_matmul, "transposed", lambda t: copies.append(tuple(t.shape)) or real(t))
-    gen = torch.Generator().manual_seed(7)
     rows, d_in = 300, 40
-    x = torch.randn(rows, d_in, generator=gen)
-    weights = [torch.randn(d_out, d_in, generator=gen) for d_out in (100, 30, 80)]
-    grads = [torch.randn(rows, w.shape[0], generator=gen) for w in weights]
-    grad_x, weight_grads = cpu_matmul.shared_input_grads(x, weights, grads, True, [True, True, True])
-    torch.testing.assert_close(grad_x, sum(g @ w for g, w in zip(grads, weights)), rtol=1e-5, atol=1e-4)
-    for got, g, w in zip(weight_grads, grads, weights):
-        assert got.shape == w.shape and got.is_contiguous()
-        torch.testing.assert_close(got, g.t() @ x, rtol=1e-5, atol=1e-4)
+    _check_shared_input_grads(seed=7, rows=rows, d_in=d_in, outs=(100, 30, 80))
     # X once; the 30-wide gradient's dY; the 100- and 80-wide products transposed back.
     assert sorted(copies) == sorted([(rows, d_in), (rows, 30), (d_in, 100), (d_in, 80)])
 

@@ -311,7 +311,7 @@ def shared_input_grads(rows: torch.Tensor, weights: list[torch.Tensor] | tuple[t
         elif x_side:
             weight_grads.append(transposed(_onednn_linear(rows_t, grad.t(), None)))
         else:
-            weight_grads.append(_onednn_linear(transposed(grad), rows.t(), None))
+            weight_grads.append(onednn_weight_grad_transposed(grad, rows))  # over its own dY transposed
     return grad_x, weight_grads
 
 

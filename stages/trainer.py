@@ -25,8 +25,8 @@ from tqdm import tqdm
 from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
-from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.host_memory import populate_heap
+from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size

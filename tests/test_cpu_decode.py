@@ -57,6 +57,9 @@ SHAPES = {
     "llama-mha-biases": ("llama", 48, 4, 4, 72, True),  # head_dim 12, ffn 72: vector tails
     "qwen2-gqa-qkv-bias": ("qwen2", 64, 8, 2, 96, False),
     "mistral-mqa": ("mistral", 40, 2, 1, 60, False),  # head_dim 20
+    # head_dim 32 and 64: AVX-512's attention_tasks_wide (head_dim 16 above: its one-register queries)
+    "llama-gqa-d32": ("llama", 128, 4, 2, 96, False),
+    "qwen2-mqa-d64": ("qwen2", 128, 2, 1, 80, False),
 }
 
 
@@ -117,10 +120,10 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
 
 @pytest.mark.parametrize("batch", [3, 8, 11, 17])
 def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
-    """The avx512 kernel set is avx2's with the packed projections on 16-float registers (8-row
-    blocks, then a tail of 1-7 rows; 3 panels side by side, then single panels, a partial last one
-    included: hidden 48, q/k/v 144, MLP 72): every output is the same multiply-add chain over k in
-    order, so the logits and caches are equal to the bit."""
+    """The avx512 kernel set runs the packed projections on 16-float registers (8-row blocks, then
+    a tail of 1-7 rows; 3 panels side by side, then single panels, a partial last one included:
+    hidden 48, q/k/v 144, MLP 72): every output is the same multiply-add chain over k in order as
+    avx2's. At head_dim 12 its attention is avx2's too, so the logits and caches are equal to the bit."""
     if "avx512" not in op.supported_isas():
         pytest.skip("this CPU has no AVX-512F")
     model = _model(*SHAPES["llama-mha-biases"])
@@ -136,6 +139,37 @@ def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
         assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
     for a, b in zip(runs["avx2"][1] + runs["avx2"][2], runs["avx512"][1] + runs["avx512"][2]):
         assert torch.equal(a[:, :, : 7 + steps], b[:, :, : 7 + steps])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "fp16"])
+@pytest.mark.parametrize("shape", ["llama-gqa", "llama-gqa-d32", "qwen2-mqa-d64"])
+def test_attention_over_masked_blocks_and_partial_blocks(op, shape: str, kv_cache_dtype: str) -> None:
+    """Prompts of 37 with 20-36 pad keys on every other row (whole 16-key blocks that no query sees,
+    which attention_tasks_wide skips) and caches of 38-56 keys (whole blocks, then 1-15 keys of a
+    last one), GQA and MQA, float32 and float16 caches: every kernel set gives the Python step's
+    logits."""
+    model = _model(*SHAPES[shape])
+    batch, width, steps = 6, 37, 19
+    ids, mask, positions = _prompts(batch=batch, width=width)
+    for row in range(1, batch, 2):
+        mask[row, : 18 + 6 * row] = 0
+    mask[:, -1] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    tokens = torch.randint(3, VOCAB, (batch, steps), generator=torch.Generator().manual_seed(3))
+    reference = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, kv_cache_dtype=kv_cache_dtype)
+    want = _run_steps(reference, ids, mask, positions, tokens)
+    scale = max(float(w.abs().max()) for w in want)
+    # float16: a key one float32 ulp apart may round to a neighbouring float16, which moves the logits by up
+    # to ~4e-5 of their scale here (the scalar set's too); a pad key attended to or a value missed moves them
+    # by far more than 1e-3.
+    atol = (2e-6 if kv_cache_dtype == "model" else 1e-3) * scale
+    for isa in op.supported_isas():
+        fused = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
+                                 kv_cache_dtype=kv_cache_dtype)
+        got = _run_steps(fused, ids, mask, positions, tokens)
+        for step, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])

@@ -46,6 +46,32 @@ struct Avx512Vec {
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), _mm512_test_epi32_mask(bytes, bytes), x);
   }
 
+  // 16 IEEE halves (uint16_t bits) widened to floats; floats rounded to nearest halves.
+  RLHF_AVX512_FN T load_half(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  RLHF_AVX512_FN void store_half(uint16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  // Whether any lane of x is nonzero.
+  RLHF_AVX512_FN bool any_nonzero(T x) { return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ) != 0; }
+
+  // The register of v[i]'s lane sums (lane i: the sum of v[i]'s 16 lanes): pairs interleaved and
+  // added, then 64-bit pairs, then 128-bit lanes twice (45 instructions for 16 horizontal sums).
+  RLHF_AVX512_FN T hsum16(const T (&v)[16]) {
+    T a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] at lanes 0 and 2, v[2i + 1] at 1 and 3
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i .. 4i + 3]
+      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)  // lane pairs added: v[8i .. 8i + 3] twice, v[8i + 4 .. 8i + 7] twice
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  }
+
   // dst[c * dst_stride + r] = src[r * src_stride + c] for a 16 x 16 tile (r, c < 16): pairs of rows
   // interleaved, then 64-bit pairs, then 128-bit lanes twice (the usual 4-stage shuffle network).
   RLHF_AVX512_FN void transpose_tile(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {

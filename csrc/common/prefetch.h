@@ -13,4 +13,9 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
+// The 64-byte line at p, for reading once: a non-temporal hint (prefetchnta), so that on a
+// victim L3 (AMD's) the line, once evicted from the core's caches, does not push out lines that
+// are read again.
+inline void prefetch_line_once(const void* p) { __builtin_prefetch(p, 0, 0); }
+
 }  // namespace rlhf

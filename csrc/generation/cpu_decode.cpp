@@ -393,9 +393,10 @@ class LlamaDecodeStep {
   void project(const at::Tensor& x, const Projection& p, const at::Tensor& out, int64_t c0, int64_t c1,
                bool accumulate) const {
     if (p.panels.defined()) {
-      const PanelGemmArgs args{x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), p.panels.data_ptr<float>(),
-                               p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                               out.stride(0), accumulate};
+      PanelGemmArgs args{x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), p.panels.data_ptr<float>(),
+                         p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                         out.stride(0), accumulate};
+      args.weights_read_once = kDecodeWeightsAhead;
       kernels_.panel_gemm(args, c0, c1);
     } else if (accumulate) {
       add_linear(cols(out, c0, c1), x, cols(p.w_t, c0, c1), cols(p.bias, c0, c1));

@@ -8,7 +8,8 @@
 // attention_tasks_wide where head_dim is a multiple of 16 up to 128 (1.76x AVX2's per key with the
 // cache in L2, a decode step of the tiny Llama at batch 8 10% faster; at batch 32 the step reads
 // the cache from DRAM and the two are even); RMSNorm, SiLU * up and sampling stay AVX2. Compiled
-// through a target pragma, as cpu_decode_avx2.cpp; cpu_decode.cpp only calls in here after checking that the CPU has AVX2 and AVX-512F.
+// through a target pragma, as cpu_decode_avx2.cpp; cpu_decode.cpp only calls in here after
+// checking that the CPU has AVX2 and AVX-512F.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -83,26 +83,6 @@ const Kernels& avx512_kernels() {
 #else  // not x86-64: cpu_decode.cpp never selects AVX-512 here
 
 namespace rlhf_decode {
-namespace {
-// The wide attention where head_dim is a multiple of 16, else AVX2's.
-template <class C>
-void attention_avx512(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
-  using avx512::Avx512;
-  switch (a.head_dim) {
-    case 16: return avx512::attention_tasks_wide<Avx512, C, 1>(a, begin, end, scratch);
-    case 32: return avx512::attention_tasks_wide<Avx512, C, 2>(a, begin, end, scratch);
-    case 48: return avx512::attention_tasks_wide<Avx512, C, 3>(a, begin, end, scratch);
-    case 64: return avx512::attention_tasks_wide<Avx512, C, 4>(a, begin, end, scratch);
-    case 80: return avx512::attention_tasks_wide<Avx512, C, 5>(a, begin, end, scratch);
-    case 96: return avx512::attention_tasks_wide<Avx512, C, 6>(a, begin, end, scratch);
-    case 128: return avx512::attention_tasks_wide<Avx512, C, 8>(a, begin, end, scratch);
-    default: break;
-  }
-  const Kernels& narrow = avx2_kernels();
-  (std::is_same_v<C, float> ? narrow.attention : narrow.attention_half)(a, begin, end, scratch);
-}
-}  // namespace
-
 const Kernels& avx512_kernels() { return scalar_kernels(); }
 }  // namespace rlhf_decode
 

@@ -396,7 +396,7 @@ class LlamaDecodeStep {
       PanelGemmArgs args{x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), p.panels.data_ptr<float>(),
                          p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                          out.stride(0), accumulate};
-      args.weights_read_once = kDecodeWeightsAhead;
+      args.read_once_rows_ahead = kDecodeWeightsAhead;
       kernels_.panel_gemm(args, c0, c1);
     } else if (accumulate) {
       add_linear(cols(out, c0, c1), x, cols(p.w_t, c0, c1), cols(p.bias, c0, c1));

@@ -38,9 +38,9 @@ inline int64_t attention_scratch_floats(const AttentionArgs& a) {
 // [p * kPanelColumns, (p + 1) * kPanelColumns) of an [in, out] weight, in after in, zero past `out`.
 constexpr int64_t kPanelColumns = 16;
 
-// PanelGemmArgs::weights_read_once of the decode step's projections: 48 rows of a panel (3 KiB)
-// ahead. The tiny Llama's step (batch 32, cache 64-320, fp16 KV) 4-8% faster on a Zen 5 EPYC (24:
-// 3%, 96: 2%), at batch 8 6%.
+// PanelGemmArgs::read_once_rows_ahead of the decode step's projections: 48 rows of a panel (3 KiB)
+// ahead. The tiny Llama's step (batch 32, cache 64-320, fp16 KV) 4-8% faster on a Zen 5 EPYC than
+// without (24 rows ahead: 3%, 96: 2%), at batch 8 6%.
 constexpr int64_t kDecodeWeightsAhead = 48;
 
 // One projection of a decode step over a packed weight: out[r, c] = sum_k x[r, k] w[k, c] + bias[c]
@@ -57,7 +57,7 @@ struct PanelGemmArgs {
   // Weight rows (k) ahead of its multiply-adds that the first block of rows asks for with
   // prefetch_line_once (0: none): a decode step reads each weight once, and a normal fill of them
   // would push out of L3 the KV cache that the step's attention reads (kDecodeWeightsAhead).
-  int64_t weights_read_once = 0;
+  int64_t read_once_rows_ahead = 0;
   // panel_swiglu only: where the gate and up products are stored as well (stride ldo; nullptr: not
   // stored), for a backward that needs them.
   float* gate_out = nullptr;

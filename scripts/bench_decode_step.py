@@ -9,6 +9,7 @@ steps, alternated --repeats times; the figures are medians of the mean time per 
 
     python scripts/bench_decode_step.py                          # tiny Llama (4 layers, hidden 256)
     python scripts/bench_decode_step.py --model runs/smollm2 --new 16 --repeats 3   # a model folder
+    python scripts/bench_decode_step.py --new 256 --kv-cache-dtype fp16          # rlhf ppo's CPU default cache
 
 The last line is one JSON object: mkl_ms_per_step, packed_ms_per_step (the widest kernel set's),
 their ratio, packed_ms_per_step_by_isa and ratio_avx2_vs_widest, each run's figures and the
@@ -37,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (the cache before the first step)")
     parser.add_argument("--new", type=int, default=64, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=5, help="alternated runs of each side")
+    parser.add_argument("--kv-cache-dtype", default="model", choices=("model", "fp16", "auto"),
+                        help="the decoders' KV cache (rlhf ppo's --kv-cache-dtype; its default, auto, is fp16 here)")
     return parser.parse_args()
 
 
@@ -54,7 +57,8 @@ def run(model: PreTrainedModel, packed: bool, args: argparse.Namespace, tokens: 
         ids: torch.Tensor, isa: str = "auto") -> tuple[float, torch.Tensor]:
     """(seconds per decode step, logits of every step) of one decoder over `tokens` [B, new]."""
     batch, prompt = ids.shape
-    decoder = FastLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed, kernel_isa=isa)
+    decoder = FastLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed, kernel_isa=isa,
+                               kv_cache_dtype=args.kv_cache_dtype)
     assert decoder.packed_gemm == packed and (isa == "auto" or decoder.kernel_isa == isa)
     mask = torch.ones(batch, prompt + args.new, dtype=torch.long)
     decoder.prefill(ids, mask[:, :prompt], torch.arange(prompt).expand(batch, prompt))
@@ -91,7 +95,8 @@ def main() -> None:
         "ratio_avx2_vs_widest": round(ms["packed_avx2"] / ms[widest], 3) if "avx2" in isas else None,
         "runs_ms": {side: [round(s * 1e3, 3) for s in runs] for side, runs in seconds.items()},
         "max_logit_diff": max(float((logits[side] - logits["mkl"]).abs().max()) for side in sides),
-        "shape": {"batch": args.batch, "prompt": args.prompt, "new": args.new, "model": args.model or "tiny llama"},
+        "shape": {"batch": args.batch, "prompt": args.prompt, "new": args.new, "model": args.model or "tiny llama",
+                  "kv_cache_dtype": args.kv_cache_dtype},
         "threads": torch.get_num_threads(),
     }))
 

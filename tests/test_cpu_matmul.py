@@ -57,9 +57,10 @@ def test_linear_matches_torch(bias: bool, shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("tn", [True, False], ids=["tn", "transposing"])
 def test_weight_grad_through_onednn_matches_matmul(monkeypatch, d_in: int, d_out: int, tn: bool) -> None:
     """With oneDNN's weight gradient (Zen 5), dY^T X over a transposed dY, or over a transposed X
-    when out >= 2 in and in <= TRANSPOSED_INPUT_MAX_WIDTH (the product transposed back), or straight from the rows (tn_weight_grad, on
-    AVX-512 CPUs, both widths up to TN_MAX_WIDTH and in a multiple of 16), equals torch's matmul up
-    to rounding, laid out as the weight; below ONEDNN_MIN_ROWS rows it is torch's matmul, bit for bit."""
+    when out >= 2 in and in <= TRANSPOSED_INPUT_MAX_WIDTH (the product transposed back), or straight
+    from the rows (tn_weight_grad, on AVX-512 CPUs, both widths up to TN_MAX_WIDTH and in a multiple
+    of 16), equals torch's matmul up to rounding, laid out as the weight; below ONEDNN_MIN_ROWS rows
+    it is torch's matmul, bit for bit."""
     monkeypatch.setattr(cpu_matmul, "onednn_weight_grad", lambda: True)
     real = cpu_matmul.panel_gemm_op()
     if tn and real is None:

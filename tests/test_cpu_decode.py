@@ -196,8 +196,9 @@ def test_panel_swiglu_is_silu_of_gate_times_up(op, rows: int) -> None:
     """panel_swiglu over pack_swiglu_panels (the SwiGLU MLP's activation with both products kept in
     registers) equals silu(x @ gate_t) * (x @ up_t) to float32 rounding on every kernel set, the
     same bits on AVX2 and AVX-512 (each product one multiply-add chain over k in order on both),
-    partial last panels, rows past the last whole block and odd widths included; refuses weights
-    of different shapes and panels of the wrong shape."""
+    partial last panels, rows past the last whole block and past one row block (252 rows at 256
+    inputs) and odd widths included; refuses weights of different shapes and panels of the wrong
+    shape."""
     gen = torch.Generator().manual_seed(7)
     for d_in, ffn in ((256, 98), (37, 211), (64, 16), (64, 48)):
         x = torch.randn(rows, d_in, generator=gen)

@@ -36,8 +36,8 @@ from rlhf.errors import UserError
 
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "TN_MAX_WIDTH", "TRANSPOSED_INPUT_MAX_WIDTH",
-    "full_width_avx512_amd", "is_plain_linear", "linear", "linear_add", "onednn_available", "onednn_min_depth",
-    "onednn_weight_grad", "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op",
+    "amd_avx512", "full_width_avx512_amd", "is_plain_linear", "linear", "linear_add", "onednn_available",
+    "onednn_min_depth", "onednn_weight_grad", "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op",
     "resolve_cpu_matmul", "shared_input_grads", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears",
     "transposes_input", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
 ]
@@ -76,9 +76,8 @@ def cpu_vendor() -> str:
 @cache
 def full_width_avx512_amd() -> bool:
     """An AMD CPU of family 0x1A or later (Zen 5): AVX-512 FMAs at full width, where oneDNN's kernels
-    run about twice MKL's AVX2 ones even at shapes where on Zen 4 they did not (`onednn_weight_grad`,
-    `onednn_min_depth`). Decided by the CPU, not timed at start-up: every rank and a resumed run
-    take the same path."""
+    run about twice MKL's AVX2 ones even at shapes where on Zen 4 they did not (`onednn_min_depth`).
+    Decided by the CPU, not timed at start-up: every rank and a resumed run take the same path."""
     family = cpuinfo_field("cpu family")
     return cpu_vendor() == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A
 
@@ -126,15 +125,25 @@ class _OneDnnLinear(torch.autograd.Function):
 
 
 @cache
+def amd_avx512() -> bool:
+    """An AMD CPU with AVX-512 (Zen 4 on; /proc/cpuinfo's avx512f flag), the CPUs whose linears'
+    weight gradients take oneDNN (`onednn_weight_grad`)."""
+    return cpu_vendor() == "AuthenticAMD" and "avx512f" in cpuinfo_field("flags").split()
+
+
+@cache
 def onednn_weight_grad() -> bool:
-    """Whether a linear's weight gradient takes oneDNN as well (`weight_grad`): on AMD CPUs of
-    family 0x1A and later (Zen 5, whose AVX-512 FMAs are full width), where oneDNN's kernels run
-    at twice MKL's AVX2 rate. Measured on a 2-core AMD EPYC (Zen 5), scripts/bench_matmul.py:
-    MKL 167-213 GFLOP/s, oneDNN over the transposed operand 1.35-2.10x that at the tiny Llama's
-    shapes (4096 rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On Zen 4 (AVX-512 in two
-    halves) it was 0.71-1.01x MKL without the transpose, so there the weight gradient stays on MKL.
-    Decided by the CPU (`full_width_avx512_amd`), not timed at start-up."""
-    return full_width_avx512_amd()
+    """Whether a linear's weight gradient takes oneDNN as well (`weight_grad`: `tn_weight_grad` up to
+    TN_MAX_WIDTH features, else oneDNN over a transposed operand): on AMD CPUs with AVX-512
+    (`amd_avx512`). Measured with scripts/bench_matmul.py on a 2-core AMD EPYC Zen 5: MKL 167-213
+    GFLOP/s, oneDNN over the transposed operand 1.35-2.10x that at the tiny Llama's shapes (4096
+    rows) and 1.31-2.02x at SmolLM2-135M's (1024 rows). On a 2-core Zen 4 EPYC (AVX-512 in two
+    halves; oneDNN without the transpose had been 0.71-1.01x MKL there): tn 168-180 GFLOP/s and the
+    transposed operand 152-183 against MKL's 141-157 at the tiny Llama's shapes; a training step
+    (forward + backward, alternated, medians) of the tiny Llama on 32 x 320 tokens 1325 -> 1279 ms,
+    of SmolLM2-135M on 8 x 96 4433 -> 3939 ms. Without AVX-512 (Zen 3 and before, unmeasured) MKL.
+    Decided by the CPU, not timed at start-up: every rank and a resumed run take the same path."""
+    return amd_avx512()
 
 
 def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

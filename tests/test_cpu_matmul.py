@@ -191,21 +191,25 @@ def test_shared_input_grads_split_between_the_two_transposing_paths(monkeypatch)
 
 
 def test_onednn_weight_grad_and_min_depth_follow_the_cpu(monkeypatch) -> None:
-    """oneDNN takes the weight gradient, and dot products from ONEDNN_MIN_DEPTH_FULL_WIDTH deep, on AMD
-    CPUs of family 0x1A (Zen 5) on; elsewhere MKL the weight gradient and oneDNN only from ONEDNN_MIN_DEPTH."""
-    cases = [("AuthenticAMD", "26", True), ("AuthenticAMD", "27", True), ("AuthenticAMD", "25", False),
-             ("GenuineIntel", "6", False), ("", "", False)]
+    """oneDNN takes the weight gradient on AMD CPUs with AVX-512 (Zen 4 on), and dot products from
+    ONEDNN_MIN_DEPTH_FULL_WIDTH deep on AMD CPUs of family 0x1A (Zen 5) on; elsewhere MKL the weight
+    gradient and oneDNN only from ONEDNN_MIN_DEPTH."""
+    avx512 = "fpu sse avx2 fma avx512f avx512vl"
+    cases = [("AuthenticAMD", "26", avx512, True, True), ("AuthenticAMD", "27", avx512, True, True),
+             ("AuthenticAMD", "25", avx512, True, False), ("AuthenticAMD", "25", "fpu sse avx2 fma", False, False),
+             ("GenuineIntel", "6", avx512, False, False), ("", "", "", False, False)]
 
     def clear() -> None:
-        for fn in (cpu_matmul.cpu_vendor, cpu_matmul.full_width_avx512_amd, cpu_matmul.onednn_weight_grad):
+        for fn in (cpu_matmul.cpu_vendor, cpu_matmul.full_width_avx512_amd, cpu_matmul.amd_avx512,
+                   cpu_matmul.onednn_weight_grad):
             fn.cache_clear()
 
-    for vendor, family, expected in cases:
-        fields = {"vendor_id": vendor, "cpu family": family}
+    for vendor, family, flags, weight_grad, full_width in cases:
+        fields = {"vendor_id": vendor, "cpu family": family, "flags": flags}
         monkeypatch.setattr(cpu_matmul, "cpuinfo_field", fields.__getitem__)
         clear()
-        assert cpu_matmul.onednn_weight_grad() is expected, (vendor, family)
-        assert cpu_matmul.onednn_min_depth() == (ONEDNN_MIN_DEPTH_FULL_WIDTH if expected else ONEDNN_MIN_DEPTH)
+        assert cpu_matmul.onednn_weight_grad() is weight_grad, (vendor, family, flags)
+        assert cpu_matmul.onednn_min_depth() == (ONEDNN_MIN_DEPTH_FULL_WIDTH if full_width else ONEDNN_MIN_DEPTH)
     monkeypatch.undo()
     clear()
 

@@ -124,7 +124,7 @@ class EngineConfig:
     fused_layers: bool = True
     """Run the RMSNorm, RoPE, SwiGLU and SDPA attention of Llama-family layers (Llama, Qwen2, Mistral) as fused csrc kernels (float32 on CPU; elsewhere their PyTorch reference, Hugging Face's code); false keeps Hugging Face's modules as they are. Ignored with compile."""
     cpu_matmul: CpuMatmul = "auto"
-    """Library of float32 linears' matmuls on the CPU: aten (torch's: MKL), onednn (forward and input gradient through oneDNN at 64+ rows and 256+ long dot products (64+ on Zen 5), the weight gradient too on AVX-512 CPUs, else on MKL; engine/cpu_matmul.py), or auto: onednn on AMD CPUs, where MKL runs its AVX2 path (1.09x a tiny Llama's and 1.16x SmolLM2's training step on a Zen 4), else aten. Same results up to rounding."""
+    """Library of float32 linears' matmuls on the CPU: aten (torch's: MKL), onednn (forward and input gradient through oneDNN at 64+ rows and 256+ long dot products (64+ on Zen 5), the weight gradient too on AMD CPUs with AVX-512, else on MKL; engine/cpu_matmul.py), or auto: onednn on AMD CPUs, where MKL runs its AVX2 path (1.09x a tiny Llama's and 1.16x SmolLM2's training step on a Zen 4), else aten. Same results up to rounding."""
     loss_scale: float = bounded(0.0, ge=0)
     """fp16 only: static loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: int = bounded(16, ge=0, le=64)

@@ -33,6 +33,7 @@ replaced by adapters or quantized layers, hooks on the model, or training mode.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from rlhf.engine import fused_layers
+from rlhf.engine import decode_groups, fused_layers
 from rlhf.engine.cpu_decode import cpu_decode_unsupported_reason, load_cpu_decode_op
 from rlhf.engine.cpu_matmul import is_plain_linear, uses_onednn_linears
 from rlhf.engine.cpu_matmul import linear as onednn_linear
@@ -373,6 +374,36 @@ class FastLlamaDecoder:
         if kernel_isa is not None:
             self._kernel_step = self._build_kernel_step(True, kernel_isa)
         self.uses_attention_kernel = self._wants_attention_kernel(index.numel())
+
+    def rows_per_group(self, batch: int, requested: int | None = None) -> int:
+        """Rows of this decoder's `batch` each group of a grouped decode runs (engine/decode_groups.py):
+        `requested` where given; else, where the fused CPU step runs its packed GEMM, decode_groups'
+        choice for this machine's last-level cache (the packed weights plus the rows' caches at the
+        rollout's mean length); else every row (one group). The packed GEMM computes a row the same
+        way whatever rows share its step, so its groups give the same bits; MKL's kernels change with
+        the row count, so their groups would change the last bits of the logits."""
+        if requested is not None:
+            return max(1, min(requested, batch))
+        if not self.packed_gemm:
+            return batch
+        weights = sum(t.numel() * t.element_size() for t in self._packed or [])
+        position_bytes = 2 * len(self.keys) * self.keys[0][0, :, 0].numel() * self.keys[0].element_size()
+        mean_len = (self.length + self.max_len) / 2
+        return decode_groups.rows_per_group(batch, weights, int(position_bytes * mean_len),
+                                            decode_groups.last_level_cache_bytes())
+
+    def row_group(self, start: int, stop: int) -> FastLlamaDecoder:
+        """A decoder over rows [start, stop) of this one's KV cache (views: nothing is copied) at its
+        length, sharing its weights, RoPE tables and packed panels; its steps and `expand` touch
+        only those rows. Grouped decoding (generation.py) runs each group to its end in turn."""
+        group = copy.copy(self)
+        group.keys = [k[start:stop] for k in self.keys]
+        group.values = [v[start:stop] for v in self.values]
+        group._graph = None
+        if self.kernel_isa is not None:
+            group._kernel_step = group._build_kernel_step(True, self.kernel_isa)
+        group.uses_attention_kernel = self._wants_attention_kernel(stop - start)
+        return group
 
     def _build_kernel_step(self, cpu_kernel: bool | Literal["auto"], isa: str) -> Any:
         """The fused CPU decode step over this decoder's weights, tables and cache, or None."""

@@ -37,12 +37,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from rlhf.engine.decode_groups import row_groups
 from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes
 from rlhf.engine.positions import position_ids_from_mask
@@ -139,6 +140,19 @@ class StepRunner(Protocol):
         """After prefill: rows `index` ([B'] int64) of the cache become its B' rows (group sampling)."""
         ...
 
+    def rows_per_group(self, batch: int, requested: int | None) -> int:
+        """How many of the `batch` rows each group of a grouped decode runs (`batch`: one group;
+        fewer only where the runner has `row_group`)."""
+        ...
+
+
+class GroupedRunner(StepRunner, Protocol):
+    """A runner whose rows can decode in groups (the fast decoder)."""
+
+    def row_group(self, start: int, stop: int) -> StepRunner:
+        """A runner over rows [start, stop) of this one's cache, at its length."""
+        ...
+
 
 class HFForwardRunner:
     """The reference path: the model's own forward over a `RolloutKVCache`."""
@@ -159,6 +173,10 @@ class HFForwardRunner:
         # Under tensor parallelism the cache holds this rank's heads as plain local tensors with
         # the full batch, so selecting rows along dim 0 is the same on every rank.
         self.cache.batch_select_indices(index)
+
+    def rows_per_group(self, batch: int, requested: int | None) -> int:
+        """The reference decodes every row together (its cache object has no row views)."""
+        return batch
 
 
 _logged_fallbacks: set[str] = set()
@@ -359,17 +377,21 @@ class _Transcript:
     """[B] the row has emitted an EOS."""
     eos_ids: torch.Tensor
 
+    def rows(self, start: int, stop: int) -> _Transcript:
+        """Rows [start, stop) of it (views: what a group's loop writes lands here)."""
+        return _Transcript(self.sequences[start:stop], self.action_mask[start:stop], self.token_logprobs[start:stop],
+                           self.finished[start:stop], self.eos_ids)
+
 
 def _record_python(t: _Transcript, logits: torch.Tensor, uniform: torch.Tensor | None, rows: torch.Tensor | None,
-                   col: int, suppress_eos: bool, params: SamplingParams, generator: torch.Generator | None) -> None:
+                   col: int, suppress_eos: bool, params: SamplingParams) -> None:
     """Sample the decoded rows' tokens from `logits` and write column `col` of the transcript:
     the reference of the fused `sample_record` op (cpu_decode.cpp)."""
     batch, device = t.finished.shape[0], t.finished.device
     raw_logits = logits
     if suppress_eos:
         logits = logits.index_fill(-1, t.eos_ids, float("-inf"))
-    decoded = sample_next_token(logits, params, generator,
-                                uniform if uniform is None or rows is None else uniform[rows])
+    decoded = sample_next_token(logits, params, uniform=uniform if uniform is None or rows is None else uniform[rows])
     logprobs = sampled_logprobs(raw_logits, decoded)
     if rows is not None:
         decoded = torch.full((batch,), params.pad_token_id, dtype=decoded.dtype, device=device).index_copy(
@@ -399,7 +421,9 @@ def _decode(
     runner: StepRunner, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_positions: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
 ) -> GenerationOutput:
-    """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows."""
+    """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows: all
+    together, or in groups of rows each decoded to its end (`runner.rows_per_group`,
+    engine/decode_groups.py), with the same tokens either way."""
     batch, prompt_len = input_ids.shape
     max_new = params.max_new_tokens
     device = input_ids.device
@@ -414,24 +438,75 @@ def _decode(
     model_mask = torch.ones_like(sequences, dtype=attention_mask.dtype)
     model_mask[:, :prompt_len] = attention_mask
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
+    rows = runner.rows_per_group(batch, params.decode_rows_per_group)
+    if rows >= batch:
+        def draws(step: int) -> torch.Tensor | None:
+            # One uniform per row of the whole batch, as the samplers draw them, so that dropping
+            # finished rows leaves every other row's tokens as they would have been.
+            return (torch.rand(batch, device=device, dtype=torch.float32, generator=generator)
+                    if params.do_sample else None)
+
+        steps_run = _decode_rows(runner, logits, t, model_mask, step_positions, prompt_len, params, draws)
+    else:
+        # Fewer rows than the batch: only a runner with row groups (the fast decoder) answers that.
+        steps_run = _decode_in_groups(cast(GroupedRunner, runner), logits, t, model_mask, step_positions, prompt_len, params, generator,
+                                      rows)
+    log.debug("generated %d of %d steps for %d sequences (%s, %d rows a group)", steps_run, max_new, batch,
+              type(runner).__name__, min(rows, batch))
+    out_mask = torch.cat([attention_mask, t.action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
+    return GenerationOutput(sequences=t.sequences, attention_mask=out_mask, action_mask=t.action_mask,
+                            prompt_length=prompt_len, finished=t.finished, logprobs=t.token_logprobs)
+
+
+def _decode_in_groups(
+    runner: GroupedRunner, logits: torch.Tensor, t: _Transcript, model_mask: torch.Tensor, step_positions: torch.Tensor,
+    prompt_len: int, params: SamplingParams, generator: torch.Generator | None, rows: int,
+) -> int:
+    """Decode ranges of `rows` rows one after the other, each to its end; -> the steps the one-group
+    loop would have run. Every step's uniforms for the whole batch are drawn up front, in the
+    order that loop draws them, and the generator is left where that loop leaves it (a draw per
+    step it runs), so the tokens and everything sampled afterwards are the same."""
+    batch, max_new = t.finished.shape[0], params.max_new_tokens
+    rng = generator if generator is not None else torch.default_generator
+    start_state = rng.get_state()
+    uniforms = (torch.rand(max_new, batch, dtype=torch.float32, generator=generator)
+                if params.do_sample else None)
+    steps_run = 0
+    for start, stop in row_groups(batch, rows):
+        def draws(step: int, start: int = start, stop: int = stop) -> torch.Tensor | None:
+            return None if uniforms is None else uniforms[step, start:stop]
+
+        steps_run = max(steps_run, _decode_rows(
+            runner.row_group(start, stop), logits[start:stop], t.rows(start, stop), model_mask[start:stop],
+            step_positions[start:stop], prompt_len, params, draws))
+    if uniforms is not None and steps_run < max_new:
+        rng.set_state(start_state)
+        torch.rand(steps_run * batch, dtype=torch.float32, generator=generator)
+    return steps_run
+
+
+def _decode_rows(
+    runner: StepRunner, logits: torch.Tensor, t: _Transcript, model_mask: torch.Tensor, step_positions: torch.Tensor,
+    prompt_len: int, params: SamplingParams, draws: Callable[[int], torch.Tensor | None],
+) -> int:
+    """The decode loop over the rows of `t` (all of a rollout's, or one group's): sample each
+    step's tokens from `logits` with the uniforms `draws(step)` gives, record them, decode them;
+    -> the steps run (fewer than max_new_tokens once every row has finished)."""
+    max_new = params.max_new_tokens
     fused = _fused_recorder(logits, params)
     no_rows = torch.empty(0, dtype=torch.long)
-
     steps_run = max_new
     rows: torch.Tensor | None = None  # the rows the runner still decodes (None: all of them)
     for step in range(max_new):
         col = prompt_len + step
         suppress_eos = step < params.min_new_tokens and t.eos_ids.numel() > 0
-        # One uniform per row of the whole batch, as the samplers draw them, so that dropping
-        # finished rows leaves every other row's tokens as they would have been.
-        uniform = (torch.rand(batch, device=device, dtype=torch.float32, generator=generator)
-                   if params.do_sample else None)
+        uniform = draws(step)
         if fused is not None:
             tokens = fused(logits.contiguous(), uniform, no_rows if rows is None else rows, params.temperature,
                            t.eos_ids, suppress_eos, params.pad_token_id, col, t.sequences, t.action_mask,
                            t.token_logprobs, t.finished)
         else:
-            _record_python(t, logits, uniform, rows, col, suppress_eos, params, generator)
+            _record_python(t, logits, uniform, rows, col, suppress_eos, params)
             tokens = t.sequences[slice(None) if rows is None else rows, col : col + 1]
         if step == max_new - 1:
             break
@@ -448,7 +523,4 @@ def _decode(
                 tokens = tokens[keep]
         index = slice(None) if rows is None else rows
         logits = runner.decode(tokens, model_mask[index, : col + 1], step_positions[index, step : step + 1])
-    log.debug("generated %d of %d steps for %d sequences (%s)", steps_run, max_new, batch, type(runner).__name__)
-    out_mask = torch.cat([attention_mask, t.action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
-    return GenerationOutput(sequences=t.sequences, attention_mask=out_mask, action_mask=t.action_mask,
-                            prompt_length=prompt_len, finished=t.finished, logprobs=t.token_logprobs)
+    return steps_run

@@ -53,6 +53,11 @@ class SamplingParams:
     (rounded as they are written, widened as they are read): half the cache's memory and of the
     bytes each decode step reads; "auto" is fp16 where that applies, else the model's dtype
     (engine/fast_decode.py's kv_cache_torch_dtype; `rlhf ppo`'s default)."""
+    decode_rows_per_group: int | None = None
+    """Decode the rows in groups of this many, each group to its end, so that a group's KV cache and
+    the weights stay in the CPU's last-level cache across its steps (engine/decode_groups.py; the
+    same draws either way). None: the fast decoder's fused CPU step over packed weights picks it
+    from the cache size (every row together anywhere else); a number >= the batch: every row together."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -67,6 +72,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.sync_every < 0:
             raise ValueError(f"SamplingParams.sync_every must be >= 0, got {self.sync_every}")
+        if self.decode_rows_per_group is not None and (
+                isinstance(self.decode_rows_per_group, bool) or not isinstance(self.decode_rows_per_group, int)
+                or self.decode_rows_per_group < 1):
+            raise ValueError(f"SamplingParams.decode_rows_per_group must be None (automatic) or an int >= 1, "
+                             f"got {self.decode_rows_per_group!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"SamplingParams.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

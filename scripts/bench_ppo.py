@@ -104,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "model", "fp16"),
                         help="rlhf ppo --kv-cache-dtype: auto/fp16 halve a float32 model's rollout KV cache on the "
                         "CPU; model keeps the model's dtype")
+    parser.add_argument("--decode-rows-per-group", type=int, default=None,
+                        help="rlhf ppo --decode-rows-per-group (default: its automatic choice; the batch size: every "
+                        "row together)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
                         "figures are each side's median run; every run's rate, and its fraction against the references "
                         "measured right after it, listed under `repeats`")
@@ -180,6 +183,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
         "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--cpu-matmul", args.cpu_matmul,
         "--kv-cache-dtype", args.kv_cache_dtype,
+        *(["--decode-rows-per-group", str(args.decode_rows_per_group)] if args.decode_rows_per_group else []),
         *([] if args.pack_sequences else ["--no-pack-sequences"]),
         *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])

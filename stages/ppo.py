@@ -278,7 +278,7 @@ class PPOTrainer:
             max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, do_sample=not config.greedy,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype, decode_rows_per_group=config.decode_rows_per_group,
         )
         self.last_metrics: dict[str, float] = {}
         self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/memory.py)

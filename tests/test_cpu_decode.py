@@ -446,7 +446,7 @@ def test_fused_step_record_matches_the_python_loop_body(op, temperature: float, 
         logits = 2 * torch.randn(batch if rows is None else rows.numel(), VOCAB, generator=gen)
         logits[:, eos] += 4.0  # EOS likely, so rows finish
         uniform = torch.rand(batch, generator=gen)
-        generation._record_python(want, logits, uniform, rows, col, suppress_eos, params, None)
+        generation._record_python(want, logits, uniform, rows, col, suppress_eos, params)
         tokens = op.sample_record(logits, uniform, torch.empty(0, dtype=torch.long) if rows is None else rows,
                                   temperature, got.eos_ids, suppress_eos, 0, col, got.sequences, got.action_mask,
                                   got.token_logprobs, got.finished, isa)

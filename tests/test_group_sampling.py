@@ -119,6 +119,9 @@ class Spy:
         self.decode_batches.append(tokens.shape[0])
         return self.runner.decode(tokens, attention_mask, position_ids)
 
+    def rows_per_group(self, batch, requested):
+        return self.runner.rows_per_group(batch, requested)
+
 
 @pytest.fixture
 def spies(monkeypatch) -> list[Spy]:

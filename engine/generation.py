@@ -27,6 +27,11 @@ the fused sampling kernel (`sample_next_token`), and the fast decoder's decode-s
 through the flash-decoding kernel (engine/kernels.py); both match the torch path, and
 `kernels.generation_kernels(False)` runs the torch path only.
 
+On the CPU the fast decoder's fused step decodes the rows in groups, each group to its end, where
+the weights and one group's KV cache fit the last-level cache and all rows' do not
+(engine/decode_groups.py, `SamplingParams.decode_rows_per_group`): the same draws in the same
+order, so the same tokens.
+
 Group sampling (`samples_per_prompt=N`, as GRPO-style estimators need) prefills the B unique
 prompts once, then `StepRunner.expand` copies each prompt's KV cache rows to its N samples'
 rows and decoding runs over all B * N rows: the prompt costs one prefill, not N.
@@ -176,6 +181,10 @@ class HFForwardRunner:
 
     def rows_per_group(self, batch: int, requested: int | None) -> int:
         """The reference decodes every row together (its cache object has no row views)."""
+        if requested is not None and requested < batch and "row groups" not in _logged_fallbacks:
+            _logged_fallbacks.add("row groups")
+            log.info("generate: decode_rows_per_group=%d is the fast decoder's; the Hugging Face forward decodes "
+                     "all %d rows together", requested, batch)
         return batch
 
 
@@ -449,7 +458,8 @@ def _decode(
         steps_run = _decode_rows(runner, logits, t, model_mask, step_positions, prompt_len, params, draws)
     else:
         # Fewer rows than the batch: only a runner with row groups (the fast decoder) answers that.
-        steps_run = _decode_in_groups(cast(GroupedRunner, runner), logits, t, model_mask, step_positions, prompt_len, params, generator,
+        grouped = cast(GroupedRunner, runner)
+        steps_run = _decode_in_groups(grouped, logits, t, model_mask, step_positions, prompt_len, params, generator,
                                       rows)
     log.debug("generated %d of %d steps for %d sequences (%s, %d rows a group)", steps_run, max_new, batch,
               type(runner).__name__, min(rows, batch))
@@ -466,10 +476,10 @@ def _decode_in_groups(
     loop would have run. Every step's uniforms for the whole batch are drawn up front, in the
     order that loop draws them, and the generator is left where that loop leaves it (a draw per
     step it runs), so the tokens and everything sampled afterwards are the same."""
-    batch, max_new = t.finished.shape[0], params.max_new_tokens
-    rng = generator if generator is not None else torch.default_generator
+    batch, max_new, device = t.finished.shape[0], params.max_new_tokens, t.finished.device
+    rng = generator if generator is not None else _default_generator(device)
     start_state = rng.get_state()
-    uniforms = (torch.rand(max_new, batch, dtype=torch.float32, generator=generator)
+    uniforms = (torch.rand(max_new, batch, device=device, dtype=torch.float32, generator=generator)
                 if params.do_sample else None)
     steps_run = 0
     for start, stop in row_groups(batch, rows):
@@ -481,8 +491,15 @@ def _decode_in_groups(
             step_positions[start:stop], prompt_len, params, draws))
     if uniforms is not None and steps_run < max_new:
         rng.set_state(start_state)
-        torch.rand(steps_run * batch, dtype=torch.float32, generator=generator)
+        torch.rand(steps_run * batch, device=device, dtype=torch.float32, generator=generator)
     return steps_run
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch.rand draws from on `device` when given none."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def _decode_rows(

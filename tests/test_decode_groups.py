@@ -4,6 +4,7 @@ the generator's state afterwards)."""
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from pathlib import Path
 
@@ -152,5 +153,23 @@ def test_automatic_groups_follow_the_cache_rule(llama, monkeypatch) -> None:
     assert seen == dict(batch=12, weights=4 * padded, row=per_position * 20, cache=1234)
     assert decoder.rows_per_group(12, requested=5) == 5 and decoder.rows_per_group(12, requested=50) == 12
     # Only the packed GEMM's steps are the same whatever rows share them: the others stay whole.
-    for other in (FastLlamaDecoder(llama, 12, 30, cpu_kernel=False), FastLlamaDecoder(llama, 12, 30, packed_gemm=False)):
+    for other in (FastLlamaDecoder(llama, 12, 30, cpu_kernel=False),
+                  FastLlamaDecoder(llama, 12, 30, packed_gemm=False)):
         assert other.rows_per_group(12) == 12 and other.rows_per_group(12, requested=5) == 5
+
+
+def test_the_hf_forward_decodes_every_row_together_and_says_so(llama, batch, monkeypatch) -> None:
+    ids, mask = batch
+    monkeypatch.setattr(generation, "_logged_fallbacks", set())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
+    logging.getLogger("rlhf").addHandler(handler)
+    try:
+        outs = [generate(llama, ids, mask, SamplingParams(max_new_tokens=6, pad_token_id=PAD, eos_token_id=7,
+                                                          decode_rows_per_group=rows),
+                         torch.Generator().manual_seed(2), fast=False).sequences for rows in (None, 2)]
+    finally:
+        logging.getLogger("rlhf").removeHandler(handler)
+    assert torch.equal(outs[0], outs[1])
+    assert any("decode_rows_per_group=2 is the fast decoder's" in r.getMessage() for r in records)

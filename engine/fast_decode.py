@@ -382,12 +382,12 @@ class FastLlamaDecoder:
         rollout's mean length); else every row (one group). The packed GEMM computes a row the same
         way whatever rows share its step, so its groups give the same bits; MKL's kernels change with
         the row count, so their groups would change the last bits of the logits."""
-        if requested is not None:
-            return max(1, min(requested, batch))
+        if requested is not None:  # SamplingParams checked it is >= 1
+            return min(requested, batch)
         if not self.packed_gemm:
             return batch
         weights = sum(t.numel() * t.element_size() for t in self._packed or [])
-        position_bytes = 2 * len(self.keys) * self.keys[0][0, :, 0].numel() * self.keys[0].element_size()
+        position_bytes = 2 * len(self.keys) * self.num_kv_heads * self.head_dim * self.keys[0].element_size()
         mean_len = (self.length + self.max_len) / 2
         return decode_groups.rows_per_group(batch, weights, int(position_bytes * mean_len),
                                             decode_groups.last_level_cache_bytes())

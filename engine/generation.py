@@ -483,8 +483,10 @@ def _decode_in_groups(
                 if params.do_sample else None)
     steps_run = 0
     for start, stop in row_groups(batch, rows):
-        def draws(step: int, start: int = start, stop: int = stop) -> torch.Tensor | None:
-            return None if uniforms is None else uniforms[step, start:stop]
+        group_uniforms = None if uniforms is None else uniforms[:, start:stop]  # sliced once, not every step
+
+        def draws(step: int, group_uniforms: torch.Tensor | None = group_uniforms) -> torch.Tensor | None:
+            return None if group_uniforms is None else group_uniforms[step]
 
         steps_run = max(steps_run, _decode_rows(
             runner.row_group(start, stop), logits[start:stop], t.rows(start, stop), model_mask[start:stop],

@@ -79,6 +79,20 @@ class DataConfig:
     """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
     train_on_prompt: bool = False
     """SFT only: include prompt tokens in the loss (by default only response tokens are trained)."""
+    train_last_turn_only: bool = False
+    """SFT only: of a multi-turn conversation train only the last assistant turn (default: every assistant turn, as TRL's assistant_only_loss)."""
+    chat_template: str | None = None
+    """A Jinja chat template file (.jinja) used instead of the tokenizer's; the exported model's tokenizer carries it."""
+    data_config: str | None = None
+    """The dataset's configuration (subset) name, for hub datasets and folders that define several."""
+    data_train_split: str = "train"
+    """The split of each --data dataset to train on (e.g. train_prefs)."""
+    data_test_split: str | None = None
+    """A split of each --data dataset to evaluate on (e.g. test_prefs); used as the eval set instead of eval_split."""
+    data_columns: list[str] = field(default_factory=list)
+    """Column renames applied before the row format is detected, NEW=OLD comma-separated: prompt=question,answer=solution."""
+    data_mix: list[float] = field(default_factory=list)
+    """With several --data: the share of each in the training rows, comma-separated (e.g. 0.7,0.3); seeded, counted in the log."""
 
 
 @dataclass

@@ -45,6 +45,9 @@ class ParsedRow:
     chosen: str | None = None
     rejected: str | None = None
     margin: float | None = None
+    conversational: bool = False
+    """The row's prompt (or messages) came as chat messages, not a string (TRL's conversational
+    type): reward functions in TRL's convention then get message lists."""
     fields: dict[str, Any] = field(default_factory=dict, hash=False)
     """The row's other columns (all but CONSUMED_FIELDS), e.g. a ground-truth `answer` that a reward
     function reads."""

@@ -124,7 +124,7 @@ CHAT_QUESTIONS: tuple[str, ...] = (
 def chat_prompts(tokenizer: Any, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` real chat questions rendered with the model's chat template, left-padded."""
     from rlhf.data.batching import pad_left
-    from rlhf.data.formats import render_prompt
+    from rlhf.data.rendering import render_prompt
     from rlhf.data.tokenization import encode_prompt
 
     ids = [encode_prompt(render_prompt([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}],

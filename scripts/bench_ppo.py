@@ -135,7 +135,7 @@ def build_models(args: argparse.Namespace, root: Path) -> Path:
 def write_prompts(tokenizer: object, path: Path, count: int, prompt_len: int) -> None:
     """Random lowercase prompts whose rendered form (chat template, or the plain fallback of a
     tokenizer without one) is prompt_len tokens."""
-    from rlhf.data.formats import render_prompt
+    from rlhf.data.rendering import render_prompt
     from rlhf.data.tokenization import encode_prompt
 
     overhead = len(encode_prompt(render_prompt([{"role": "user", "content": ""}], tokenizer), tokenizer))

@@ -11,7 +11,7 @@ import click
 import torch
 
 from rlhf.data.batching import pad_left
-from rlhf.data.formats import render_prompt, render_response
+from rlhf.data.rendering import render_prompt, render_response
 from rlhf.data.tokenization import encode_continuation, encode_prompt
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rlhf.data.batching import pad_left
-from rlhf.data.formats import render_prompt
+from rlhf.data.rendering import render_prompt
 from rlhf.data.tokenization import encode_prompt
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.generation import generate

@@ -117,7 +117,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
 def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunction]:
     """Flags PPO cannot run without, the model folders and reward functions (loaded here, before
     any model), the TP size, and the default minibatch (the whole experience). Returns the
-    reward functions."""
+    reward functions. (Whether a rollout fits the model is checked once the prompts are read.)"""
     if not config.actor:
         raise UserError("--actor is required: the policy to train (e.g. the SFT stage's <output>/model)")
     if not config.reward and not config.reward_fn:
@@ -132,8 +132,6 @@ def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunct
     if config.ptx_data and config.ptx_coef <= 0:
         raise UserError("--ptx-data needs --ptx-coef > 0")
     ctx.tp_coordinates(config.inference_tp_size)
-    check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size, config.max_prompt_len,
-                       config.max_new_tokens, config.engine.dtype, ctx.device, config.inference_tp_size, "rlhf ppo")
     resolve_minibatch(config, ctx.world_size)
     return functions
 
@@ -223,7 +221,7 @@ def load_prompts(config: PPOConfig, tokenizer: Any) -> Prompts:
 
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict]], TokenizeStats]:
         ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
-        return [(i, parsed[k].prompt, parsed[k].fields) for i, k in zip(ids, stats.kept_indices)], stats
+        return [(i, parsed[k].generation_prompt, parsed[k].fields) for i, k in zip(ids, stats.kept_indices)], stats
 
     rows = load_stage_rows(
         config.data, "ppo", config.engine.seed, tokenize, holdout=False,
@@ -268,8 +266,12 @@ class PPOTrainer:
         self.batch_per_rank = config.generation_batch_size
         self.group_size = config.samples_per_prompt
         self.experience_size = config.generation_batch_size * ctx.world_size  # samples per iteration
-        self.tokenizer = load_tokenizer(config.actor, "--actor")
+        self.tokenizer = load_tokenizer(config.actor, "--actor", config.data.chat_template)
         self.load_data()
+        # Before any model loads, with the longest prompt there is (not the --max-prompt-len cap).
+        check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size,
+                           max(map(len, self.prompts.ids)), config.max_new_tokens, config.engine.dtype, ctx.device,
+                           config.inference_tp_size, "rlhf ppo")
         self.total_iterations = config.max_steps if config.max_steps > 0 else self.plan.steps_per_epoch * config.epochs
         self.build_models()
         self.tracker, self.checkpointer = open_run(config, ctx, output, "ppo")
@@ -318,7 +320,8 @@ class PPOTrainer:
         self.ptx_rows: list[dict] = []
         if config.ptx_data:
             self.ptx_rows, _ = tokenize_specs(
-                config.ptx_data, lambda parsed: tokenize_sft(parsed, self.tokenizer, config.data.max_seq_len),
+                config.ptx_data, lambda parsed: tokenize_sft(parsed, self.tokenizer, config.data.max_seq_len,
+                                                             last_turn_only=config.data.train_last_turn_only),
                 "ptx data")
 
     def build_models(self) -> None:

@@ -145,7 +145,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
     output = start_stage(config, ctx, "reward")
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
     train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 

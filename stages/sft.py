@@ -60,7 +60,8 @@ def packed_sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
 def load_sft_rows(config: SFTConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
     """Tokenized (train, eval) rows of this stage's share of every --data source."""
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
-        return tokenize_sft(parsed, tokenizer, config.data.max_seq_len, config.data.train_on_prompt)
+        return tokenize_sft(parsed, tokenizer, config.data.max_seq_len, config.data.train_on_prompt,
+                            config.data.train_last_turn_only)
 
     rows = load_stage_rows(config.data, "sft", config.engine.seed, tokenize,
                            empty="no usable SFT rows (see the counts above)")
@@ -72,7 +73,7 @@ def run(config: SFTConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
     output = start_stage(config, ctx, "sft")
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
     train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows))
     model, weights = deferred_causal_lm(config.model)  # on meta: each rank reads only its shards

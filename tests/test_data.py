@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from rlhf.data.batching import BatchPlan, collate_sft, pad_left
-from rlhf.data.formats import parse_dialog, parse_row, render_prompt, render_response
+from rlhf.data.formats import parse_dialog, parse_row
+from rlhf.data.rendering import render_prompt, render_response
 from rlhf.data.sources import RawRow, eval_holdout, load_rows, stage_share
 from rlhf.data.tokenization import IGNORE_INDEX, tokenize_pairs, tokenize_prompts, tokenize_sft
 from rlhf.errors import UserError
@@ -33,7 +34,9 @@ def test_prompt_response_row(tok):
 
 def test_pair_row_sft_trains_on_chosen():
     parsed = parse_row(row({"prompt": "q", "chosen": "good", "rejected": "bad", "margin": 1.5}))
-    assert (parsed.response, parsed.chosen, parsed.rejected, parsed.margin) == ("good", "good", "bad", 1.5)
+    assert parsed.kind == "preference" and (parsed.response, parsed.margin) == ("good", 1.5)
+    assert parsed.chosen == [{"role": "assistant", "content": "good"}]
+    assert parsed.rejected == [{"role": "assistant", "content": "bad"}]
 
 
 def test_hh_dialog_pair_derives_the_prompt_from_the_last_assistant_turn():
@@ -44,7 +47,7 @@ def test_hh_dialog_pair_derives_the_prompt_from_the_last_assistant_turn():
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "2+2?"},
     ]
-    assert (parsed.chosen, parsed.rejected) == ("4", "5")
+    assert (parsed.chosen[0]["content"], parsed.rejected[0]["content"]) == ("4", "5")
 
 
 def test_messages_row_and_text_dialog():
@@ -53,21 +56,23 @@ def test_messages_row_and_text_dialog():
     assert parse_row(row({"text": "Human: a\n\nAssistant: b"})).response == "b"
     # messages without a final assistant turn are a prompt (PPO)
     assert parse_row(row({"messages": msgs[:1]})).response is None
+    assert parse_row(row({"messages": msgs[:1]})).generation_prompt == msgs[:1]
 
 
 def test_chat_format_pairs():
     p = [{"role": "user", "content": "q"}]
     parsed = parse_row(row({"prompt": p, "chosen": [{"role": "assistant", "content": "y"}],
                             "rejected": [{"role": "assistant", "content": "n"}]}))
-    assert parsed.prompt == p and (parsed.chosen, parsed.rejected) == ("y", "n")
+    assert parsed.prompt == p and (parsed.chosen[0]["content"], parsed.rejected[0]["content"]) == ("y", "n")
+    assert parsed.conversational
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"prompt": "q", "response": None}, "file.jsonl row 7: field 'response' must be a non-empty string"),
+    ({"prompt": "q", "response": None}, "file.jsonl row 7: field 'response' must be a non-empty string or a list"),
     ({"prompt": "q", "response": ""}, "file.jsonl row 7: field 'response'"),
     ({"question": "q"}, "file.jsonl row 7: unrecognised row"),
     ({"prompt": 3, "response": "x"}, "file.jsonl row 7: field 'prompt' must be a string"),
-    ({"chosen": "no dialog here", "rejected": "x"}, "file.jsonl row 7: field 'chosen' must end with an assistant turn"),
+    ({"chosen": "no dialog here", "rejected": "x"}, "file.jsonl row 7: no prompt: add a 'prompt' column"),
 ])
 def test_malformed_rows_name_file_row_and_field(data, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

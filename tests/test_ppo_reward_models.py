@@ -16,7 +16,9 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf.cli import main
 from rlhf.config import PPOConfig
-from rlhf.data.formats import ParsedRow, render_prompt
+from rlhf.data.formats import parse_row
+from rlhf.data.sources import RawRow
+from rlhf.data.rendering import render_prompt
 from rlhf.data.tokenization import encode_prompt, tokenize_pairs
 from rlhf.engine.distributed import DistributedContext
 from rlhf.models.tiny import build_char_tokenizer, tiny_config
@@ -100,7 +102,7 @@ def test_reward_model_with_another_tokenizer_scores_retokenised_rollouts(tiny_mo
     model = load_value_model(reward).eval()
     expected = []
     for m, r in zip(messages, responses):
-        pair, _ = tokenize_pairs([ParsedRow(prompt=m, chosen=r, rejected=r + "!")], reward_tok, 256)
+        pair, _ = tokenize_pairs([parse_row(RawRow({"prompt": m, "chosen": r, "rejected": r + "!"}, "t", 0))], reward_tok, 256)
         chosen = torch.tensor([pair[0]["chosen_ids"]])
         with torch.no_grad():
             expected.append(model.score(chosen, torch.ones_like(chosen)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rlhf.data.formats import ParsedRow
+from rlhf.data.formats import parse_row
+from rlhf.data.sources import RawRow
 from rlhf.data.retokenize import retokenize_for_reward, same_vocabulary
 from rlhf.data.tokenization import tokenize_pairs
 from rlhf.models.tiny import build_char_tokenizer
@@ -17,7 +18,7 @@ def test_rollouts_are_rendered_as_the_reward_model_was_trained() -> None:
     ids, mask, truncated = retokenize_for_reward(prompts, responses, reward_tok, max_len=256)
     assert truncated == 0 and ids.shape[0] == 2
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        trained, _ = tokenize_pairs([ParsedRow(prompt=p, chosen=r, rejected=r + "!")], reward_tok, 256)
+        trained, _ = tokenize_pairs([parse_row(RawRow({"prompt": p, "chosen": r, "rejected": r + "!"}, "t", 0))], reward_tok, 256)
         assert ids[i][mask[i].bool()].tolist() == trained[0]["chosen_ids"]
     assert (ids[:, -1] == reward_tok.eos_token_id).all()  # left-padded: every row ends at its EOS
 

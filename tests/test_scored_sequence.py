@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from rlhf.data.formats import render_prompt, render_response
+from rlhf.data.rendering import render_prompt, render_response
 from rlhf.data.tokenization import encode_continuation, encode_prompt, tokenize_pairs, tokenize_sft
-from rlhf.data.formats import ParsedRow
+from rlhf.data.formats import parse_row
+from rlhf.data.sources import RawRow
 from rlhf.models.tiny import build_char_tokenizer
 
 CHATML = (
@@ -40,10 +41,10 @@ def test_rendered_response_ends_at_the_token_a_rollout_stops_at(make_tokenizer) 
     prompt_ids = encode_prompt(render_prompt(messages, tok), tok)
     rollout = prompt_ids + encode_continuation(text, tok)
     assert rollout[-1] == tok.eos_token_id
-    rows, _ = tokenize_pairs([ParsedRow(prompt=messages, chosen="abc", rejected="cab")], tok, 256)
+    rows, _ = tokenize_pairs([parse_row(RawRow({"prompt": messages, "chosen": "abc", "rejected": "cab"}, "t", 0))], tok, 256)
     assert rows[0]["chosen_ids"] == rollout
     assert rows[0]["rejected_ids"][-1] == tok.eos_token_id
-    sft_rows, _ = tokenize_sft([ParsedRow(prompt=messages, response="abc")], tok, 256)
+    sft_rows, _ = tokenize_sft([parse_row(RawRow({"prompt": messages, "completion": "abc"}, "t", 0))], tok, 256)
     assert sft_rows[0]["input_ids"] == rollout
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from rlhf.data.batching import pad_left
-from rlhf.data.formats import Message, render_prompt, render_response
+from rlhf.data.formats import Message
+from rlhf.data.rendering import render_prompt, render_response
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)

@@ -1,4 +1,11 @@
-"""Rendered examples -> token ids, with prompt masking and counted truncation/drops."""
+"""Rendered examples -> token ids, with the untrained pieces masked and truncation/drops counted.
+
+Each piece of a rendering (rlhf/data/rendering.py) is tokenized on its own and the ids are
+concatenated, so the boundary between prompt and response (and between trained turns and the
+turns between them) is exact. The first piece gets the tokenizer's BOS unless its text already
+starts with it. Each tokenize function first checks that the stage trains on the row's type
+(`require_kind`): a row of another type is an error naming it, never a silent drop.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.data.formats import ParsedRow, render_prompt, render_response
+from rlhf.data.formats import ParsedRow, require_kind
+from rlhf.data.rendering import Piece, render_continuation, render_prompt, sft_pieces
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -47,28 +55,45 @@ def encode_continuation(text: str, tokenizer: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def encode_pieces(pieces: list[Piece], tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """The pieces' ids end to end, and for each id whether its piece is trained."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for i, piece in enumerate(pieces):
+        piece_ids = (encode_prompt if i == 0 else encode_continuation)(piece.text, tokenizer)
+        ids += piece_ids
+        trained += [piece.trained] * len(piece_ids)
+    return ids, trained
+
+
 def tokenize_sft(
-    rows: list[ParsedRow], tokenizer: Any, max_seq_len: int, train_on_prompt: bool = False
+    rows: list[ParsedRow], tokenizer: Any, max_seq_len: int, train_on_prompt: bool = False,
+    last_turn_only: bool = False, stage: str = "sft"
 ) -> tuple[list[dict[str, list[int]]], TokenizeStats]:
-    """input_ids and labels (prompt tokens = IGNORE_INDEX unless train_on_prompt)."""
+    """input_ids and labels: the trained pieces' ids, IGNORE_INDEX elsewhere (everything trained
+    with `train_on_prompt`). A row whose first (prompt) piece fills max_seq_len is dropped; a longer
+    one is cut at max_seq_len; both counted."""
     stats = TokenizeStats()
     out = []
-    for row in rows:
-        if row.response is None:
-            stats.dropped["no response"] += 1
+    for k, row in enumerate(rows):
+        where = row.where
+        require_kind(row, "sft", where)
+        pieces = sft_pieces(row, tokenizer, last_turn_only, where)
+        if not any(p.trained for p in pieces):
+            stats.dropped["no assistant turn"] += 1
             continue
-        prompt = encode_prompt(render_prompt(row.prompt, tokenizer), tokenizer)
-        response = encode_continuation(render_response(row.prompt, row.response, tokenizer), tokenizer)
-        if len(prompt) >= max_seq_len:
+        ids, trained = encode_pieces(pieces, tokenizer)
+        first_trained = trained.index(True)
+        if first_trained >= max_seq_len:
             stats.dropped["prompt longer than max_seq_len"] += 1
             continue
-        if len(prompt) + len(response) > max_seq_len:
-            response = response[: max_seq_len - len(prompt)]
+        if len(ids) > max_seq_len:
+            ids, trained = ids[:max_seq_len], trained[:max_seq_len]
             stats.truncated += 1
-        ids = prompt + response
-        labels = ids.copy() if train_on_prompt else [IGNORE_INDEX] * len(prompt) + response
+        labels = ids.copy() if train_on_prompt else [t if keep else IGNORE_INDEX for t, keep in zip(ids, trained)]
         out.append({"input_ids": ids, "labels": labels})
         stats.kept += 1
+        stats.kept_indices.append(k)
     return out, stats
 
 
@@ -78,21 +103,22 @@ def tokenize_pairs(
     """chosen_ids / rejected_ids (prompt + response each) and an optional margin."""
     stats = TokenizeStats()
     out = []
-    for row in rows:
-        if row.chosen is None or row.rejected is None:
-            stats.dropped["no chosen/rejected pair"] += 1
-            continue
+    for k, row in enumerate(rows):
+        where = row.where
+        require_kind(row, "reward", where)
+        assert row.chosen is not None and row.rejected is not None
         if row.chosen == row.rejected:
             stats.dropped["chosen equals rejected"] += 1
             continue
-        prompt = encode_prompt(render_prompt(row.prompt, tokenizer), tokenizer)
+        prompt = encode_prompt(render_prompt(row.prompt, tokenizer, row.tools, where), tokenizer)
         if len(prompt) >= max_seq_len:
             stats.dropped["prompt longer than max_seq_len"] += 1
             continue
         pair: dict[str, Any] = {}
         truncated = False
-        for key, text in (("chosen_ids", row.chosen), ("rejected_ids", row.rejected)):
-            response = encode_continuation(render_response(row.prompt, text, tokenizer), tokenizer)
+        for key, turns in (("chosen_ids", row.chosen), ("rejected_ids", row.rejected)):
+            text = render_continuation(row.prompt, turns, tokenizer, row.tools, where)
+            response = encode_continuation(text, tokenizer)
             if len(prompt) + len(response) > max_seq_len:
                 response = response[: max_seq_len - len(prompt)]
                 truncated = True
@@ -103,6 +129,7 @@ def tokenize_pairs(
         pair["margin"] = row.margin if row.margin is not None else 0.0
         stats.truncated += int(truncated)
         stats.kept += 1
+        stats.kept_indices.append(k)
         out.append(pair)
     return out, stats
 
@@ -113,12 +140,16 @@ def tokenize_prompts(
     """Prompt ids for generation; prompts over max_prompt_len are dropped and counted."""
     stats = TokenizeStats()
     out = []
-    for i, row in enumerate(rows):
-        ids = encode_prompt(render_prompt(row.prompt, tokenizer), tokenizer)
+    for k, row in enumerate(rows):
+        where = row.where
+        require_kind(row, "ppo", where)
+        prompt = row.generation_prompt
+        assert prompt is not None
+        ids = encode_prompt(render_prompt(prompt, tokenizer, row.tools, where), tokenizer)
         if len(ids) > max_prompt_len:
             stats.dropped["prompt longer than max_prompt_len"] += 1
             continue
         out.append(ids)
         stats.kept += 1
-        stats.kept_indices.append(i)
+        stats.kept_indices.append(k)
     return out, stats

@@ -69,8 +69,10 @@ def _check_source(name_or_path: str, flag: str) -> None:
         raise UserError(f"{flag} is required")
 
 
-def load_tokenizer(name_or_path: str, flag: str = "--model") -> Any:
+def load_tokenizer(name_or_path: str, flag: str = "--model", chat_template: str | None = None) -> Any:
     """The model's tokenizer; a folder that names a generic fast tokenizer gets exactly that class.
+    `chat_template`: a Jinja file whose template replaces the tokenizer's (--chat-template); the
+    tokenizer saved with a stage's model carries it.
 
     (AutoTokenizer would otherwise pick the model family's tokenizer class, whose own
     pre-tokenizer can disagree with a custom tokenizer.json.)
@@ -92,7 +94,27 @@ def load_tokenizer(name_or_path: str, flag: str = "--model") -> Any:
     if tokenizer.pad_token is None:
         # Decoder-only models often ship without a pad token; EOS is the usual stand-in.
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file, checked to be a Jinja template."""
+    import jinja2
+
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--chat-template {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"--chat-template {path} line {exc.lineno}: not a valid Jinja template ({exc.message})") from None
+    if "messages" not in text:
+        raise UserError(f"--chat-template {path}: the template never reads `messages`; it is not a chat template")
+    return text
 
 
 def load_causal_lm(name_or_path: str, flag: str = "--model") -> PreTrainedModel:

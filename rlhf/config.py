@@ -52,6 +52,45 @@ class SplitShares:
         return None if ok else rule
 
 
+def column_renames(items: list[str]) -> dict[str, str]:
+    """`data_columns` items NEW=OLD (an item may hold several, comma-separated) -> {NEW: OLD}; a
+    ValueError naming the first bad item."""
+    renames: dict[str, str] = {}
+    for item in (part.strip() for value in items for part in str(value).split(",")):
+        if not item:
+            continue
+        new, sep, old = (p.strip() for p in item.partition("="))
+        if not sep or not new or not old:
+            raise ValueError(f"{item!r} is not NEW=OLD")
+        if new in renames:
+            raise ValueError(f"{new!r} is the new name of two columns")
+        if old in renames.values():
+            raise ValueError(f"{old!r} is renamed twice")
+        renames[new] = old
+    return renames
+
+
+@dataclass(frozen=True)
+class ColumnRenames:
+    """The rule of `data_columns`: NEW=OLD items, each new name and each old column named once."""
+
+    def violation(self, value: Any) -> str | None:
+        try:
+            column_renames(value)
+        except ValueError as exc:
+            return f"NEW=OLD column renames like prompt=question,answer=solution ({exc})"
+        return None
+
+
+@dataclass(frozen=True)
+class PositiveWeights:
+    """The rule of `data_mix`: positive, finite numbers."""
+
+    def violation(self, value: Any) -> str | None:
+        ok = all(math.isfinite(w) and w > 0 for w in value)
+        return None if ok else "positive numbers, one per --data, like 0.7,0.3"
+
+
 @dataclass(frozen=True)
 class StepCount(Bounds):
     """The rule of `max_steps`: -1 (train `epochs` epochs) or a positive number of steps; 0 would
@@ -84,15 +123,32 @@ class DataConfig:
     chat_template: str | None = None
     """A Jinja chat template file (.jinja) used instead of the tokenizer's; the exported model's tokenizer carries it."""
     data_config: str | None = None
-    """The dataset's configuration (subset) name, for hub datasets and folders that define several."""
+    """The config (subset) of each --data dataset, for hub datasets and folders whose README.md defines several (e.g. main); a single file or save_to_disk folder has none."""
     data_train_split: str = "train"
-    """The split of each --data dataset to train on (e.g. train_prefs)."""
+    """The split of each --data dataset to train on (e.g. train_prefs); a json/jsonl/parquet/csv file has only train, unless it is a .json object of splits {"train": [...], "test": [...]}."""
     data_test_split: str | None = None
-    """A split of each --data dataset to evaluate on (e.g. test_prefs); used as the eval set instead of eval_split."""
-    data_columns: list[str] = field(default_factory=list)
-    """Column renames applied before the row format is detected, NEW=OLD comma-separated: prompt=question,answer=solution."""
-    data_mix: list[float] = field(default_factory=list)
-    """With several --data: the share of each in the training rows, comma-separated (e.g. 0.7,0.3); seeded, counted in the log."""
+    """A split of each --data dataset to evaluate on (e.g. test_prefs), whole (neither mixed nor shared out by data_split): the eval set instead of eval_split (which is then unused, with a warning); not with eval_data; sft and reward only (ppo has no eval set)."""
+    data_columns: list[str] = field(default_factory=list, metadata={"rule": ColumnRenames()})
+    """Column renames NEW=OLD, comma-separated (prompt=question,answer=solution), in every row of --data (both splits) and --eval-data before the row format is detected (not --ptx-data)."""
+    data_mix: list[float] = field(default_factory=list, metadata={"rule": PositiveWeights()})
+    """With several --data: the share of each in the training rows, comma-separated (e.g. 0.7,0.3): a seeded sample of each without replacement, as many rows as the shares allow (the dataset that runs out first bounds the total); the log counts what each gave and left out. Mixed before the stage takes its data_split share."""
+
+    @property
+    def column_renames(self) -> dict[str, str]:
+        """`data_columns` as {NEW: OLD}."""
+        return column_renames(self.data_columns)
+
+    def validate(self, where: str = "config") -> None:
+        if self.data_mix and len(self.data_mix) != len(self.data):
+            raise UserError(f"{where}: data_mix: {len(self.data_mix)} weights for {len(self.data)} --data datasets; "
+                            "give one weight per --data, in order")
+        if self.data_test_split is not None:
+            if self.eval_data:
+                raise UserError(f"{where}: data_test_split: {self.data_test_split!r} and eval_data both name the eval "
+                                "set; pass one of them")
+            if self.data_test_split == self.data_train_split:
+                raise UserError(f"{where}: data_test_split: {self.data_test_split!r} is also data_train_split; "
+                                "evaluate on another split")
 
 
 @dataclass
@@ -167,6 +223,7 @@ class RunConfig:
     def validate(self, where: str = "config") -> None:
         """Rules between fields, checked once after every source is applied (`resolve_config`)."""
         self.engine.validate(where)
+        self.data.validate(where)
         self.lora.validate(where)
 
 
@@ -339,6 +396,9 @@ class PPOConfig(RunConfig):
         if self.min_new_tokens > self.max_new_tokens:
             raise UserError(f"{where}: min_new_tokens: {self.min_new_tokens} must be <= max_new_tokens "
                             f"({self.max_new_tokens})")
+        if self.data.data_test_split is not None:
+            raise UserError(f"{where}: data_test_split: {self.data.data_test_split!r}: ppo has no eval set (it "
+                            "evaluates no held-out rows); drop it")
         if self.ptx_data and self.ptx_coef <= 0:
             raise UserError(f"{where}: ptx_coef: {self.ptx_coef} must be > 0 with ptx_data (the PTX loss weight)")
         if self.ptx_coef > 0 and not self.ptx_data:
@@ -419,6 +479,16 @@ class E2EConfig:
     """Your own dataset instead of the task's: shared by the stages through data_split; no task success is measured."""
     data_split: str = checked("2,4,4", SplitShares())
     """Shares of --data for sft,reward,ppo."""
+    data_config: str | None = None
+    """The config (subset) of each --data dataset, for every stage (see `rlhf sft --help`)."""
+    data_train_split: str = "train"
+    """The split of each --data dataset that the stages share out through data_split."""
+    data_test_split: str | None = None
+    """A split of each --data dataset that sft and reward evaluate on (whole; replaces the reward stage's 5% holdout)."""
+    data_columns: list[str] = field(default_factory=list, metadata={"rule": ColumnRenames()})
+    """Column renames NEW=OLD of --data, comma-separated, for every stage (prompt=question,answer=solution)."""
+    data_mix: list[float] = field(default_factory=list, metadata={"rule": PositiveWeights()})
+    """With several --data: the share of each, comma-separated (e.g. 0.7,0.3), mixed before data_split shares the rows out (the same mix in every stage)."""
     reward_fn: list[str] = field(default_factory=list)
     """RL rewards from these functions (a task name such as sort, file.py:function, module:function) instead of the reward model (the reward stage is then skipped)."""
     advantage_estimator: AdvantageEstimator = "gae"
@@ -445,6 +515,15 @@ class E2EConfig:
     """Trackers of every stage (one W&B group per e2e run; offline without credentials)."""
     wandb_project: str = "rlhf"
     """W&B project of every stage."""
+
+    def validate(self, where: str = "config") -> None:
+        selection = {"data_config": self.data_config, "data_test_split": self.data_test_split,
+                     "data_columns": self.data_columns, "data_mix": self.data_mix,
+                     "data_train_split": None if self.data_train_split == "train" else self.data_train_split}
+        given = [name for name, value in selection.items() if value]
+        if given and not self.data:
+            raise UserError(f"{where}: {', '.join(given)} select within --data; the built-in task's files have "
+                            "no splits, configs or other columns: pass --data too, or drop them")
 
 
 SECTIONS: tuple[str, ...] = ("engine", "data", "tracking", "lora")

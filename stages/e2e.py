@@ -5,6 +5,8 @@
     rlhf e2e --advantage-estimator grpo       # SFT -> GRPO on the task's checker (no reward stage, no critic)
     rlhf e2e --config e2e.yaml --ppo.kl-coef 0.1 --sft.lr 1e-3
     rlhf e2e --model Qwen/Qwen2-0.5B --data Anthropic/hh-rlhf --nproc-per-node 8
+    rlhf e2e --model Qwen/Qwen2-0.5B --data HuggingFaceH4/ultrafeedback_binarized \
+        --data-train-split train_prefs --data-test-split test_prefs   # splits: docs/data-sources.md
     rlhf e2e --preset smollm2                 # SmolLM2-135M-Instruct (`rlhf models get`) + arithmetic_words
     rlhf e2e --preset smollm2 --advantage-estimator grpo   # the same with GRPO on the task's checker
 
@@ -22,7 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import ConfigSources, E2EConfig, PPOConfig, RewardConfig, SFTConfig, resolve_config
+from rlhf.config import (
+    ConfigSources, DataConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig, resolve_config,
+)
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
@@ -208,10 +212,22 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
         reward.data.data, reward.data.eval_data = [str(paths["pairs"])], [str(paths["eval_pairs"])]
         ppo.data.data = [str(paths["prompts"])]
     else:
-        for stage in stages.values():
-            stage.data.data, stage.data.data_split = list(cfg.data), cfg.data_split
-        reward.data.eval_split = 0.05
+        for name, stage in stages.items():
+            share_data_selection(cfg, stage.data, test_split=name != "ppo")
+        if cfg.data_test_split is None:
+            reward.data.eval_split = 0.05
     return stages
+
+
+def share_data_selection(cfg: E2EConfig, data: DataConfig, test_split: bool) -> None:
+    """--data and what selects within it (split, config, columns, mix) for one stage; the test
+    split only for sft and reward (ppo has no eval set). A stage's section or prefixed flags
+    (`--sft.data-test-split`) override these."""
+    data.data, data.data_split = list(cfg.data), cfg.data_split
+    data.data_config, data.data_train_split = cfg.data_config, cfg.data_train_split
+    data.data_columns, data.data_mix = list(cfg.data_columns), list(cfg.data_mix)
+    if test_split:
+        data.data_test_split = cfg.data_test_split
 
 
 def reward_functions(cfg: E2EConfig) -> list[str]:

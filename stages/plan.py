@@ -274,7 +274,7 @@ def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | 
     base = {"model params": m.params, "adam": m.adam, "runtime": s.runtime}
     phases = [peak_phase("train", train_moments(m, tokens, head, config.engine.gradient_checkpointing, accum, base,
                                                 "model"), s)]
-    if config.data.eval_split > 0 or config.data.eval_data:
+    if config.data.eval_split > 0 or config.data.eval_data or config.data.data_test_split:
         eval_values = 2 * FP32 * eval_tokens
         logits = s.compute * eval_tokens * shape.vocab if head_kind == "lm" else eval_values
         loss = lm_loss_bytes(eval_tokens, shape.vocab, s.compute)[0] if head_kind == "lm" else eval_values

@@ -1,11 +1,18 @@
-"""Load raw rows from local files, load_from_disk folders, or hub names; split them between stages."""
+"""Load raw rows from local files, load_from_disk folders, folders of data files or hub names (a
+config, a split, column renames); mix several datasets; split the rows between stages.
+
+Every dataset is read the same way: `load_rows(spec, split=..., config=..., renames=...)` picks the
+split (and config) where the dataset has them, renames columns (NEW <- OLD) before any format is
+detected, and returns rows that say where they came from (`RawRow.where`: "spec (split test) row 3").
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +25,8 @@ from rlhf.seeding import derive_seed
 log = get_logger(__name__)
 
 STAGE_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
+DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
+SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")  # load_from_disk folders
 
 
 @dataclass
@@ -27,10 +36,25 @@ class RawRow:
     data: dict[str, Any]
     source: str
     index: int
+    split: str | None = None
+    """The split the row was read from, where the dataset has named splits (None: a plain file)."""
+    config: str | None = None
+    """The dataset's config (subset), when one was asked for."""
+
+    @property
+    def dataset(self) -> str:
+        """The dataset, its config and split: `org/name (config main, split test)`."""
+        return dataset_label(self.source, self.split, self.config)
 
     @property
     def where(self) -> str:
-        return f"{self.source} row {self.index}"
+        return f"{self.dataset} row {self.index}"
+
+
+def dataset_label(spec: str, split: str | None, config: str | None = None) -> str:
+    parts = [f"config {config}" if config else "", f"split {split}" if split else ""]
+    named = ", ".join(p for p in parts if p)
+    return f"{spec} ({named})" if named else spec
 
 
 def read_text_file(path: Path) -> str:
@@ -48,27 +72,34 @@ def read_text_file(path: Path) -> str:
                         "save the file as UTF-8 or fix that row") from None
 
 
-def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+def _json_lines(path: Path, text: str) -> list[Any]:
+    rows = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} line {line_no}: not valid JSON ({exc.msg}); fix or remove the line") from None
+    return rows
+
+
+def _read_json(path: Path) -> list[Any] | dict[str, list[Any]]:
+    """A .jsonl file's lines; a .json file's list, its object of splits ({"train": [...], "test":
+    [...]}: every value a list), or its JSON lines."""
     text = read_text_file(path)
-    if path.suffix == ".jsonl" or (path.suffix == ".json" and not text.lstrip().startswith("[")):
-        rows = []
-        for line_no, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path} line {line_no}: not valid JSON ({exc.msg}); fix or remove the line") from None
-        return rows
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if isinstance(data, dict) and isinstance(data.get("train"), list):
-        data = data["train"]
-    if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of rows (or JSON lines)")
-    return data
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if text.lstrip().startswith("["):
+                raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            data = None  # JSON lines (several objects) in a .json file
+        if isinstance(data, list):
+            return data
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            return data
+    return _json_lines(path, text)
 
 
 @contextmanager
@@ -84,6 +115,10 @@ def _quiet_datasets() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _read_failure(path: Path, kind: str, exc: Exception) -> UserError:
     """One line for a file `datasets` could not read; a byte that is not UTF-8 named by its line."""
     cause: BaseException | None = exc
@@ -91,67 +126,178 @@ def _read_failure(path: Path, kind: str, exc: Exception) -> UserError:
         cause = cause.__cause__ or cause.__context__
     if cause is not None:
         read_text_file(path)  # raises the UserError naming the line
-    return UserError(f"{path}: could not read as {kind}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    return UserError(f"{path}: could not read as {kind}: {_first_line(exc)}")
 
 
-def _dataset_rows(dataset: Any, spec: str) -> list[dict[str, Any]]:
-    from datasets import DatasetDict
-
-    if isinstance(dataset, DatasetDict):
-        if "train" not in dataset:
-            raise UserError(f"{spec}: dataset has splits {list(dataset)} but no 'train' split")
-        dataset = dataset["train"]
-    return [dict(r) for r in dataset]
+def _flag(split_flag: str | None) -> str:
+    return f" ({split_flag})" if split_flag else ""
 
 
-def load_rows(spec: str) -> list[RawRow]:
-    """All rows of one dataset spec: a json/jsonl/parquet/csv file, a saved folder, or a hub name."""
+def _pick_split(splits: Mapping[str, Any], label: str, split: str, split_flag: str | None) -> Any:
+    if split not in splits:
+        raise UserError(f"{label}: no split {split!r}{_flag(split_flag)}; its splits: {', '.join(splits)}")
+    return splits[split]
+
+
+def _file_rows(path: Path, split: str, config: str | None, split_flag: str | None) -> tuple[list[Any], str | None]:
+    """A single file's rows of `split`, and the split's name where the file names its splits (a
+    .json object of splits); any other file holds only the split "train"."""
+    suffix = path.suffix.lower()
+    if suffix not in DATA_FILE_TYPES:
+        raise UserError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl, .parquet or .csv")
+    if config is not None:
+        raise UserError(f"{path}: a single file has no configs (--data-config {config}); drop --data-config, "
+                        "or give a folder or hub dataset that defines it")
+    if suffix in (".json", ".jsonl"):
+        data = _read_json(path)
+        if isinstance(data, dict):
+            return _pick_split(data, str(path), split, split_flag), split
+        rows: list[Any] = data
+    else:
+        load_dataset = import_dependency("datasets", f"{path}: reading {suffix[1:]}").load_dataset
+        try:
+            with _quiet_datasets():
+                rows = list(load_dataset(suffix[1:], data_files=str(path), split="train"))
+        except Exception as exc:  # datasets raises many types for bad files
+            raise _read_failure(path, suffix[1:], exc) from None
+    if split != "train":
+        raise UserError(f"{path}: a single file holds only the split 'train', not {split!r}{_flag(split_flag)}; give "
+                        f"a folder or hub dataset with that split, or a .json file of {{\"{split}\": [...]}}")
+    return rows, None
+
+
+def _saved_rows(path: Path, split: str, config: str | None, split_flag: str | None) -> tuple[list[Any], str | None]:
+    """A `save_to_disk` folder's rows: a DatasetDict's split, or a saved Dataset (its one split)."""
+    datasets = import_dependency("datasets", f"{path}: reading a saved dataset folder")
+    if config is not None:
+        raise UserError(f"{path}: a save_to_disk folder has no configs (--data-config {config}); drop --data-config")
+    try:
+        with _quiet_datasets():
+            dataset = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise UserError(f"{path}: could not load the saved dataset: {_first_line(exc)}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        return list(_pick_split(dataset, str(path), split, split_flag)), split
+    names = ["train", *([str(dataset.split)] if dataset.split and str(dataset.split) != "train" else [])]
+    if split not in names:
+        raise UserError(f"{path}: a saved Dataset holds one split ({' or '.join(repr(n) for n in names)}), not "
+                        f"{split!r}{_flag(split_flag)}; save a DatasetDict with that split")
+    return list(dataset), None
+
+
+def _selection_problem(datasets: Any, name: str, split: str, config: str | None,
+                       split_flag: str | None) -> str | None:
+    """Why `load_dataset(name, config, split)` failed when the config or split is unknown (naming
+    the ones there are), else None."""
+    with _quiet_datasets():
+        try:
+            configs = list(datasets.get_dataset_config_names(name))
+        except Exception:
+            configs = []
+        if config is not None and configs and config not in configs:
+            return f"no config {config!r} (--data-config); its configs: {', '.join(configs)}"
+        try:
+            splits = list(datasets.get_dataset_split_names(name, config))
+        except Exception:
+            splits = []
+    if not splits and config is None and len(configs) > 1:
+        return f"it has configs {', '.join(configs)}; pick one with --data-config NAME"
+    if splits and split not in splits:
+        return f"no split {split!r}{_flag(split_flag)}; its splits: {', '.join(splits)}"
+    return None
+
+
+def _loaded_rows(name: str, split: str, config: str | None, split_flag: str | None, hub: bool) -> list[Any]:
+    """`load_dataset(name, config, split=split)` of a folder of data files (a README.md's `configs:`
+    included) or a hub name, as rows."""
+    what = "loading a hub dataset" if hub else "reading a dataset folder"
+    datasets = import_dependency("datasets", f"{name}: {what}")
+    try:
+        with _quiet_datasets():
+            return list(datasets.load_dataset(name, name=config, split=split))
+    except Exception as exc:  # datasets raises many types (unknown split or config, no data files, network)
+        label = dataset_label(name, None, config)
+        problem = _selection_problem(datasets, name, split, config, split_flag)
+        if problem:
+            raise UserError(f"{label}: {problem}") from None
+        if hub:
+            raise UserError(f"{label}: not a local file or folder, and loading it from the hub failed "
+                            f"({_first_line(exc)})") from None
+        raise UserError(f"{label}: folder holds no dataset ({_first_line(exc)})") from None
+
+
+def rename_columns(row: dict[str, Any], renames: Mapping[str, str], where: str) -> dict[str, Any]:
+    """`row` with each OLD column renamed NEW (`renames` is {NEW: OLD}; all at once, so two names may
+    swap); a missing OLD column or a NEW one that exists and is not itself renamed is an error."""
+    olds = set(renames.values())
+    for new, old in renames.items():
+        if old not in row:
+            raise UserError(f"{where}: --data-columns {new}={old}: no column {old!r}; its columns: {', '.join(row)}")
+        if new in row and new not in olds:
+            raise UserError(f"{where}: --data-columns {new}={old}: it already has a column {new!r}; rename that "
+                            f"one too (e.g. {new}_orig={new}) or choose another name")
+    renamed = {key: value for key, value in row.items() if key not in olds}
+    renamed.update({new: row[old] for new, old in renames.items()})
+    return renamed
+
+
+def load_rows(spec: str, split: str = "train", config: str | None = None, renames: Mapping[str, str] | None = None,
+              split_flag: str | None = None) -> list[RawRow]:
+    """The rows of one split of a dataset: a json/jsonl/parquet/csv file, a save_to_disk folder, a
+    folder of data files or a hub name; `config` its config, `renames` {NEW: OLD} column renames
+    applied before anything reads a row. `split_flag` is the flag errors name for the split."""
     path = Path(spec).expanduser()
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".json", ".jsonl"):
-            rows = _read_json_rows(path)
-        elif suffix in (".parquet", ".csv"):
-            load_dataset = import_dependency("datasets", f"{path}: reading {suffix[1:]}").load_dataset
-
-            try:
-                with _quiet_datasets():
-                    rows = _dataset_rows(load_dataset(suffix[1:], data_files=str(path), split="train"), spec)
-            except Exception as exc:  # datasets raises many types for bad files
-                raise _read_failure(path, suffix[1:], exc) from None
-        else:
-            raise UserError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl, .parquet or .csv")
+        rows, named_split = _file_rows(path, split, config, split_flag)
     elif path.is_dir():
-        datasets = import_dependency("datasets", f"{path}: reading a dataset folder")
-        load_dataset, load_from_disk = datasets.load_dataset, datasets.load_from_disk
-
-        if any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
-            rows = _dataset_rows(load_from_disk(str(path)), spec)
+        if any((path / f).exists() for f in SAVED_DATASET_FILES):
+            rows, named_split = _saved_rows(path, split, config, split_flag)
         else:
-            try:
-                rows = _dataset_rows(load_dataset(str(path), split="train"), spec)
-            except Exception as exc:
-                raise UserError(f"{path}: folder holds no dataset ({str(exc).splitlines()[0]})") from None
-    elif spec.startswith((".", "/", "~")) or Path(spec).suffix in (".json", ".jsonl", ".parquet", ".csv"):
+            rows, named_split = _loaded_rows(str(path), split, config, split_flag, hub=False), split
+    elif spec.startswith((".", "/", "~")) or Path(spec).suffix in DATA_FILE_TYPES:
         raise UserError(f"{spec}: file or folder not found")
     else:
-        load_dataset = import_dependency("datasets", f"{spec}: loading a hub dataset").load_dataset
-        try:
-            rows = _dataset_rows(load_dataset(spec, split="train"), spec)
-        except Exception as exc:
-            raise UserError(
-                f"{spec}: not a local file or folder, and loading it from the hub failed "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-            ) from None
+        rows, named_split = _loaded_rows(spec, split, config, split_flag, hub=True), split
     out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise UserError(f"{spec} row {i}: expected an object with named fields, got {type(row).__name__}")
-        out.append(RawRow(row, spec, i))
+    for i, data in enumerate(rows):
+        row = RawRow(data, spec, i, named_split, config)
+        if not isinstance(data, dict):
+            raise UserError(f"{row.where}: expected an object with named fields, got {type(data).__name__}")
+        if renames:
+            row.data = rename_columns(data, renames, row.where)
+        out.append(row)
+    label = dataset_label(spec, named_split, config)
     if not out:
-        raise UserError(f"{spec}: no rows")
-    log.info("loaded %d rows from %s", len(out), spec)
+        raise UserError(f"{label}: no rows")
+    log.info("loaded %d rows from %s", len(out), label)
     return out
+
+
+def mix_rows(datasets: Sequence[list[RawRow]], weights: Sequence[float], seed: int) -> tuple[list[RawRow], int]:
+    """A seeded mix of `datasets` in the shares `weights`, and how many rows it left out.
+
+    Without replacement: as many rows as the shares allow, so the dataset that runs out first
+    (fewest rows for its share) gives all its rows and bounds the total; each dataset gives a
+    seeded sample of its rows, kept in their order, the datasets in order. The log names what
+    each gave and left out.
+    """
+    if len(weights) != len(datasets):
+        raise UserError(f"--data-mix: {len(weights)} weights for {len(datasets)} --data datasets; give one weight "
+                        "per --data, in order")
+    if any(not math.isfinite(w) or w <= 0 for w in weights):
+        raise UserError(f"--data-mix: {','.join(f'{w:g}' for w in weights)} must all be positive numbers")
+    shares = [w / sum(weights) for w in weights]
+    total = min(len(rows) / share for rows, share in zip(datasets, shares))
+    mixed: list[RawRow] = []
+    report, left_out = [], 0
+    for i, (rows, share) in enumerate(zip(datasets, shares)):
+        take = min(len(rows), round(total * share))
+        picked = sorted(random.Random(derive_seed(seed, "data_mix", i)).sample(range(len(rows)), take))
+        mixed += [rows[j] for j in picked]
+        left_out += len(rows) - take
+        report.append(f"{rows[0].dataset if rows else '?'} gave {take} of {len(rows)} ({len(rows) - take} left out)")
+    log.info("data mix %s: %d rows; %s", ",".join(f"{w:g}" for w in weights), len(mixed), "; ".join(report))
+    return mixed, left_out
 
 
 def parse_split(data_split: str) -> list[float]:

@@ -4,6 +4,7 @@ train on it: the exact rendered text, or one line refusing the type and naming w
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,19 @@ def test_sft_trains_on_every_assistant_turn_from_the_cli(tiny_model_dirs, tmp_pa
     from rlhf.models.loading import load_tokenizer
 
     assert load_tokenizer(str(out / "model")).chat_template == SIMPLE_TEMPLATE  # the next stage renders the same
+
+
+def test_rollout_check_uses_the_longest_prompt_not_the_cap(tmp_path):
+    """A model of 64 positions, prompts of ~20 tokens: --max-prompt-len's default 256 is no reason to refuse."""
+    model = save_tiny_model(tmp_path / "short", "llama", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                            max_positions=64)
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"sort: {w}"} for w in ("cab", "zyx", "edf", "qpo")])
+    args = ["ppo", "--actor", str(model), "--reward-fn", "sort", "--data", str(data), "--advantage-estimator", "grpo",
+            "--samples-per-prompt", "2", "--generation-batch-size", "4", "--micro-batch-size", "4", "--max-steps", "1",
+            "--report-to", "none"]
+    done = run_cli([*args, "--output", str(tmp_path / "fits"), "--max-new-tokens", "16"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    refused = run_cli([*args, "--output", str(tmp_path / "too-long"), "--max-new-tokens", "60"])
+    assert refused.returncode == 2 and "exceed the model's max_position_embeddings 64" in refused.stderr
+    longest = int(re.search(r"prompt (\d+) \+ max_new_tokens 60", refused.stderr).group(1))
+    assert 10 < longest < 64  # the longest prompt's length, not 256

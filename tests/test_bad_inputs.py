@@ -174,7 +174,7 @@ FILES = [
     ("data-csv-not-utf8", ["sft", "--model", "{model}", "--data", "{not_utf8.csv}"], "not_utf8.csv line 2: not UTF-8"),
     ("data-bad-json-line", ["sft", "--model", "{model}", "--data", "{not_json.jsonl}"], "not_json.jsonl line 2: not valid JSON"),
     ("data-wizard-role", ["sft", "--model", "{model}", "--data", "{wizard.jsonl}"],
-     "wizard.jsonl row 0: field 'messages' has a message with role 'wizard'; accepted roles: system, user, assistant"),
+     "wizard.jsonl row 0 field 'messages' message 1: has role 'wizard'; accepted roles: system, user, assistant"),
     ("data-unknown-format", ["sft", "--model", "{model}", "--data", "{unknown_format.jsonl}"], "unrecognised row"),
     ("data-empty-response", ["sft", "--model", "{model}", "--data", "{empty_response.jsonl}"], "field 'response'"),
     ("data-pairs-without-rejected", [*REWARD[:3], "--data", "{no_rejected.jsonl}"], "no_rejected.jsonl"),
@@ -212,9 +212,9 @@ MODELS = [
 
 GENERATION = [
     ("ppo-max-new-tokens-past-positions", ppo("--max-new-tokens", "100000"),
-     "max_new_tokens 100000 = 100256 tokens exceed the model's max_position_embeddings 512"),
+     "+ max_new_tokens 100000 = 100030 tokens exceed the model's max_position_embeddings 512"),
     ("ppo-kv-cache-beyond-memory", ppo("--actor", "{long_positions}", "--critic", "{long_positions}",
-                                       "--max-new-tokens", "100000000", "--generation-batch-size", "64"),
+                                       "--max-new-tokens", "100000000", "--generation-batch-size", "16"),
      "GiB available; lower --generation-batch-size"),
     ("chat-max-new-tokens-past-positions", [*CHAT, "--max-new-tokens", "100000"], "max_position_embeddings 512"),
     ("chat-kv-cache-beyond-memory", ["chat", "--model", "{long_positions}", "--prompt", "hi", "--max-new-tokens",

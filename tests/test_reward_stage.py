@@ -221,7 +221,8 @@ def test_data_without_pairs_is_a_user_error(base_model: Path, tmp_path: Path, ca
         main(["reward", "--model", str(base_model), "--data", str(data), "--output", str(tmp_path / "o"), *COMMON])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: --data") and "no usable preference pairs" in err[-1]
+    assert err[-1].startswith("error: ") and "sft.jsonl row 0: a prompt-completion row; rlhf reward trains on " \
+        "preference pairs" in err[-1] and "rlhf sft or rlhf ppo takes it" in err[-1]
 
 
 def test_help_explains_every_flag() -> None:

@@ -279,7 +279,7 @@ class PPOConfig(RunConfig):
     ref: str | None = None
     """The frozen reference policy for the KL penalty; defaults to --actor."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or package.module:function; per sample f(prompt, response, **row_fields) -> float or TRL-style f(prompts, completions, **columns) -> list[float]."""
+    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or package.module:function; per sample f(prompt, response, **row_fields) -> float | None, or TRL's GRPOTrainer convention f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float | None] (messages for conversational rows); None leaves a sample to the other sources; async def functions are awaited together (see rlhf/reward_functions.py)."""
     reward_weights: list[float] = field(default_factory=list)
     """Weights of the reward sources, comma-separated: the --reward model first (when given), then each --reward-fn in order; default all 1."""
     advantage_estimator: AdvantageEstimator = "gae"

@@ -86,7 +86,10 @@ from rlhf.models.value_model import check_reward_model_dir, deferred_value_model
 from rlhf.seeding import derive_seed, seeded_permutation
 from rlhf.stages.experience import Experience, LogprobDrift, build_experience, mean_kl_per_sequence, shaped_scores
 from rlhf.reward_functions import RewardFunction, prompt_text
-from rlhf.stages.reward_sources import REWARD_MODEL, build_reward_source, check_reward_sources, warn_if_degenerate
+from rlhf.reward_batch import RewardTrainerState, SAMPLE_COLUMNS, trainer_state
+from rlhf.stages.reward_sources import (
+    REWARD_MODEL, build_reward_source, check_reward_sources, reward_metrics, rollout_batch, warn_if_degenerate,
+)
 from rlhf.stages.rollouts import (
     Rollouts, gather_rollouts, global_scores, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs,
 )
@@ -214,21 +217,25 @@ class Prompts:
     messages: list[list[Message]]
     fields: list[dict[str, Any]]
     stats: dict[str, int]
+    conversational: list[bool]
+    """Each prompt came as chat messages (TRL's conversational rows: its reward functions get messages)."""
 
 
 def load_prompts(config: PPOConfig, tokenizer: Any) -> Prompts:
     """This stage's share of --data as generation prompts of at most --max-prompt-len tokens."""
 
-    def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict]], TokenizeStats]:
+    def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict, bool]], TokenizeStats]:
         ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
-        return [(i, parsed[k].generation_prompt, parsed[k].fields) for i, k in zip(ids, stats.kept_indices)], stats
+        return [(i, parsed[k].generation_prompt, parsed[k].fields, parsed[k].conversational)
+                for i, k in zip(ids, stats.kept_indices)], stats
 
     rows = load_stage_rows(
         config.data, "ppo", config.engine.seed, tokenize, holdout=False,
         required="prompts (or any rows with a prompt) as json/jsonl/parquet/csv",
         empty=f"no prompts of at most {config.max_prompt_len} tokens",
     )
-    return Prompts([r[0] for r in rows.train], [r[1] for r in rows.train], [r[2] for r in rows.train], rows.stats)
+    return Prompts([r[0] for r in rows.train], [r[1] for r in rows.train], [r[2] for r in rows.train], rows.stats,
+                   [r[3] for r in rows.train])
 
 
 def critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -434,8 +441,12 @@ class PPOTrainer:
         with timed(seconds, "generation_s"), self.memory.phase("generation"):
             rollouts = self.generate_rollouts(prompt_rows, iteration, round_index)
         with timed(seconds, "reward_s"), self.memory.phase("reward"):
-            self.score_rewards(rollouts)
+            self.score_rewards(rollouts, self.reward_trainer_state(iteration))
         return rollouts
+
+    def reward_trainer_state(self, iteration: int) -> RewardTrainerState:
+        """The `trainer_state` TRL-style reward functions see while `iteration` is scored."""
+        return trainer_state(iteration, self.total_iterations, self.plan.steps_per_epoch)
 
     def generate_rollouts(self, prompt_rows: list[int], iteration: int, round_index: int) -> Rollouts:
         """Responses to this rank's sample slots: the TP group generates its ranks' slots together
@@ -461,15 +472,18 @@ class PPOTrainer:
         decoded = self.tokenizer.batch_decode([s[a] for s, a in zip(sequences, action)], skip_special_tokens=True)
         return Rollouts(sequences, out.attention_mask[mine], action, out.finished[mine],
                         [self.prompts.messages[i] for i in rows], [r.strip() for r in decoded],
-                        [self.prompts.fields[i] for i in rows], rollout_metrics, logprobs=out.logprobs[mine])
+                        [self.prompts.fields[i] for i in rows], rollout_metrics, logprobs=out.logprobs[mine],
+                        conversational=[self.prompts.conversational[i] for i in rows])
 
-    def score_rewards(self, rollouts: Rollouts) -> None:
+    def score_rewards(self, rollouts: Rollouts, state: RewardTrainerState | None = None) -> None:
         """The reward sources' scores, then the shaped score that enters the reward: missing-EOS
-        and overlong penalties, clipped to --reward-clip (the clipped rows are counted)."""
+        and overlong penalties, clipped to --reward-clip (the clipped rows are counted). The
+        functions' log_extra columns go with the rollouts (`extra`) to the sample table."""
         config = self.config
         shared = response_prefix(rollouts.action_mask) if self.shares_prompts else 0  # a group's prompt
-        raw = self.reward.score(rollouts.sequences, rollouts.attention_mask, rollouts.prompts, rollouts.responses,
-                                rollouts.fields, shared)
+        batch = rollout_batch(rollouts, state)
+        raw = self.reward.score(rollouts.sequences, rollouts.attention_mask, batch, shared)
+        rollouts.extra = batch.log.extra or None
         overlong = None
         if config.overlong_buffer > 0:
             overlong = overlong_penalty(rollouts.response_lengths, config.max_new_tokens, config.overlong_buffer,
@@ -797,9 +811,11 @@ class PPOTrainer:
         if step % config.tracking.log_interval == 0 or last:
             self.tracker.log(metrics, step=step)
         if config.sample_log_interval > 0 and (iteration % config.sample_log_interval == 0 or last):
-            rows = [[prompt_text(p), r, float(s)] for p, r, s in zip(rollouts.prompts[:4], rollouts.responses[:4],
-                                                                       exp.scores[:4].tolist())]
-            self.tracker.log_table("samples", ["prompt", "response", "score"], rows, step=step)
+            extra = rollouts.extra or {}
+            rows = [[prompt_text(p), r, float(s), *(extra[k][i] for k in extra)]
+                    for i, (p, r, s) in enumerate(zip(rollouts.prompts[:4], rollouts.responses[:4],
+                                                      exp.scores[:4].tolist()))]
+            self.tracker.log_table("samples", [*SAMPLE_COLUMNS, *extra], rows, step=step)
         return metrics
 
     def phase_gflop(self, rollouts: Rollouts) -> dict[str, float]:
@@ -829,17 +845,13 @@ class PPOTrainer:
         return {**drift, "old_logprobs_recomputed": float(self.ran_old_logprob_forward)}
 
     def reward_source_metrics(self, rollouts: Rollouts) -> dict[str, float]:
-        """Each reward source's mean raw score (`reward/<name>`) over all ranks, and a re-tokenising
-        reward model's count of this iteration's sequences cut to fit its max_len (the count
-        restarts every iteration)."""
-        names = sorted(rollouts.components or {})
-        local = [rollouts.components[k].double().sum().cpu() for k in names]  # scores may live on the GPU
+        """Each reward source's mean raw score over the samples it scored (`reward/<name>`) over all
+        ranks, the functions' log_metric values (`reward_fn/<name>`, this iteration's mean), and a
+        re-tokenising reward model's count of this iteration's sequences cut to fit its max_len
+        (the counts restart every iteration; see `reward_metrics`)."""
         truncated = self.reward.take_truncated()
-        sums = self.ctx.all_reduce_sum(torch.stack([*local, torch.tensor(float(truncated), dtype=torch.float64)]))
-        metrics = {f"reward/{k}": float(v) / self.experience_size for k, v in zip(names, sums.tolist())}
-        if self.reward.retokenizes:
-            metrics["reward_retokenize_truncated"] = float(sums[-1])
-        return metrics
+        return reward_metrics(rollouts.components or {}, self.reward.take_logged_metrics(), self.ctx,
+                              self.reward.logs_metrics, truncated if self.reward.retokenizes else None)
 
     def check_reward_spread(self, rollouts: Rollouts) -> None:
         """Without the reward stage's score_std to check at load (no summary.json, or normalisation

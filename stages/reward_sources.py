@@ -1,17 +1,21 @@
 """Where PPO's scores come from: a weighted sum of reward sources, each one number per rollout.
 
 Every source has a `name` (its metrics are `reward/<name>`) and one method,
-`score(sequences, attention_mask, prompts, responses, fields) -> [B]` (`prompts`: each row's chat
-messages, `responses`: the decoded responses, `fields`: each prompt row's other data columns):
-model sources read the token ids, function sources the texts. Two kinds exist: a frozen reward
-model (`--reward`, named "reward_model") and reward functions (`--reward-fn`: a built-in task's
-checker or a user's Python function, `rlhf.reward_functions`). A source also says how its raw
-scores are normalised before they are weighted (`normalization`: (mean, std), or None for raw).
+`score(sequences, attention_mask, batch) -> [B]` (`batch`: a `RewardBatch`, each row's chat
+messages, decoded response, data columns, response ids and more, `rlhf.reward_batch`): model
+sources read the token ids, function sources the batch. Two kinds exist: a frozen reward model
+(`--reward`, named "reward_model") and reward functions (`--reward-fn`: a built-in task's checker
+or a user's Python function, `rlhf.reward_functions`). A source also says how its raw scores are
+normalised before they are weighted (`normalization`: (mean, std), or None for raw).
 
 `WeightedReward` is what PPO scores with: sum_i w_i * normalised_i(raw_i) over the --reward model
 (first, when given) and each --reward-fn in order, the weights from --reward-weights (default all
 1). It keeps the last batch's raw score of every source in `components` for the logs. A weight of
-0 logs a source without training on it.
+0 logs a source without training on it. A reward function may leave a sample unscored (None,
+NaN in `components`): the sum then runs over the sources that scored it (TRL's nansum), and a
+sample that no source scores is a UserError naming the row. The async functions of a batch are
+awaited together (`run_concurrently`). `reward_metrics` turns the components and the functions'
+`log_metric` values into the iteration's metrics, each source's mean over the samples it scored.
 
 A reward model whose tokenizer differs from the actor's cannot read the actor's ids: its source
 re-renders each (prompt messages, response) pair with the reward model's own tokenizer and chat
@@ -26,6 +30,7 @@ metric shows it).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,13 +40,14 @@ import torch
 from rlhf.config import PPOConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
-from rlhf.data.formats import Message
 from rlhf.data.retokenize import retokenize_for_reward, same_vocabulary
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import deferred_load_value_model
-from rlhf.reward_functions import RewardFunction, load_reward_functions, prompt_text
+from rlhf.reward_batch import RewardBatch, RewardTrainerState, run_concurrently
+from rlhf.reward_functions import RewardFunction, Score, load_reward_functions, prompt_text
+from rlhf.stages.rollouts import Rollouts
 
 log = get_logger(__name__)
 
@@ -55,18 +61,16 @@ DEGENERATE_SCORE_STD = 1e-2
 # The reward model's source name (a reward function called so is renamed reward_model_2).
 REWARD_MODEL = "reward_model"
 
-Fields = list[dict[str, Any]] | None  # one dict of extra data columns per row; None: no columns
-
-
 class RewardSource(Protocol):
     """Scores this rank's rollouts: [B] float32 on the rollouts' device, one per sequence.
-    `shared_prefix`: rows that share their first that many columns (a sampled group's prompt)."""
+    NaN where the source leaves a sample unscored. `shared_prefix`: rows that share their first
+    that many columns (a sampled group's prompt)."""
 
     name: str
     normalization: tuple[float, float] | None
 
-    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor: ...
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
+              shared_prefix: int = 0) -> torch.Tensor: ...
 
 
 @dataclass
@@ -87,19 +91,19 @@ class RewardModelSource:
     name: str = REWARD_MODEL
     pack_budget: int = 0
 
-    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
+              shared_prefix: int = 0) -> torch.Tensor:
         if self.tokenizer is None:  # packed, a group's prompt runs once
             return self.model.scores(sequences, attention_mask, self.pack_budget, shared_prefix)
-        ids, mask, truncated = retokenize_for_reward(prompts, responses, self.tokenizer, self.max_len)
+        ids, mask, truncated = retokenize_for_reward(batch.prompts, batch.responses, self.tokenizer, self.max_len)
         self.truncated += truncated
         return self.model.scores(ids.to(sequences.device), mask.to(sequences.device), self.pack_budget)
 
 
 @dataclass
 class FunctionRewardSource:
-    """A reward function (a built-in task's checker or a user's): scores the last user turn's text,
-    the response and the row's data columns. Raw scores, never normalised."""
+    """A reward function (a built-in task's checker or a user's) over the batch, in its convention
+    (`rlhf.reward_functions`). Raw scores, never normalised; NaN where it returned None."""
 
     function: RewardFunction
     normalization: tuple[float, float] | None = None
@@ -108,11 +112,14 @@ class FunctionRewardSource:
     def name(self) -> str:
         return self.function.name
 
-    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
-        rows = fields if fields is not None else [{} for _ in responses]
-        values = self.function([prompt_text(p) for p in prompts], responses, rows)
-        return torch.tensor(values, dtype=torch.float32, device=sequences.device)
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
+              shared_prefix: int = 0) -> torch.Tensor:
+        return scores_tensor(self.function(batch), sequences.device)
+
+
+def scores_tensor(values: list[Score], device: torch.device | str) -> torch.Tensor:
+    """A function's scores as float32 [B], NaN where it returned None."""
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32, device=device)
 
 
 def normalized(raw: torch.Tensor, normalization: tuple[float, float] | None) -> torch.Tensor:
@@ -122,29 +129,61 @@ def normalized(raw: torch.Tensor, normalization: tuple[float, float] | None) -> 
 
 @dataclass
 class WeightedReward:
-    """The reward PPO scores with: sum_i weights[i] * normalized(sources[i]'s raw scores), float32 [B].
+    """The reward PPO scores with: sum_i weights[i] * normalized(sources[i]'s raw scores) over the
+    sources that scored each sample, float32 [B].
 
-    `components` holds the last call's raw scores per source name (this rank's; [B] each) for the
-    `reward/<name>` metrics. Its scores are already normalised: `normalization` is None (the reward
-    model's own is `model_normalization`). `retokenizes` and `take_truncated()` report a
-    re-tokenising reward model's cuts."""
+    `components` holds the last call's raw scores per source name (this rank's; [B] each, NaN
+    where unscored) for the `reward/<name>` metrics. Its scores are already normalised:
+    `normalization` is None (the reward model's own is `model_normalization`). `retokenizes` and
+    `take_truncated()` report a re-tokenising reward model's cuts; `take_logged_metrics()` the
+    functions' `log_metric` values since the last call."""
 
     sources: list[RewardSource]
     weights: list[float]
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     normalization: tuple[float, float] | None = None
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
 
-    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[Message]],
-              responses: list[str], fields: Fields = None, shared_prefix: int = 0) -> torch.Tensor:
-        total = torch.zeros(len(responses), dtype=torch.float32, device=sequences.device)
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
+              shared_prefix: int = 0) -> torch.Tensor:
+        device = sequences.device
+        raws: dict[int, torch.Tensor] = {}
+        awaited = [i for i, s in enumerate(self.sources) if isinstance(s, FunctionRewardSource) and s.function.is_async]
+        for i, source in enumerate(self.sources):
+            if i not in awaited:
+                raws[i] = source.score(sequences, attention_mask, batch, shared_prefix)
+        if awaited:  # every async function of the batch at once, as TRL
+            results = run_concurrently([self.sources[i].function.acall(batch) for i in awaited])  # type: ignore[attr-defined]
+            raws.update({i: scores_tensor(values, device) for i, values in zip(awaited, results)})
+        total = torch.zeros(len(batch), dtype=torch.float32, device=device)
+        scored = torch.zeros(len(batch), dtype=torch.bool, device=device)
         components = {}
-        for source, weight in zip(self.sources, self.weights, strict=True):
-            raw = source.score(sequences, attention_mask, prompts, responses, fields,
-                               shared_prefix).float().to(sequences.device)
+        for i, (source, weight) in enumerate(zip(self.sources, self.weights, strict=True)):
+            raw = raws[i].float().to(device)
             components[source.name] = raw
-            total += weight * normalized(raw, source.normalization)
+            here = ~raw.isnan()
+            total += torch.where(here, weight * normalized(raw, source.normalization), 0.0)
+            scored |= here
+        if not bool(scored.all()):
+            row = int((~scored).nonzero()[0])
+            raise UserError(f"reward: row {row} of the batch (prompt {prompt_text(batch.prompts[row])[:60]!r}) has no "
+                            f"score: every reward source ({', '.join(self.names)}) returned None for it; return a "
+                            "number for every sample from at least one --reward-fn")
         self.components = components
+        for name, values in batch.log.metrics.items():
+            self.logged_metrics.setdefault(name, []).extend(values)
         return total
+
+    def take_logged_metrics(self) -> dict[str, list[float]]:
+        """The reward functions' `log_metric` values since the last call, by name; they restart."""
+        logged, self.logged_metrics = self.logged_metrics, {}
+        return logged
+
+    @property
+    def logs_metrics(self) -> bool:
+        """Some reward function may call `log_metric` (it accepts the argument): the same on every rank."""
+        return any(isinstance(s, FunctionRewardSource) and s.function.batched
+                   and (s.function.keywords is None or "log_metric" in s.function.keywords) for s in self.sources)
 
     @property
     def names(self) -> list[str]:
@@ -175,6 +214,53 @@ class WeightedReward:
             return 0
         truncated, model.truncated = model.truncated, 0
         return truncated
+
+
+def rollout_batch(rollouts: Rollouts, state: RewardTrainerState | None = None) -> RewardBatch:
+    """The reward functions' view of this rank's rollouts: messages, responses, data columns,
+    conversational flags and each response's token ids (up to and including EOS, as TRL's)."""
+    sequences, action = rollouts.sequences.cpu(), rollouts.action_mask.cpu()
+    ids = [s[a].tolist() for s, a in zip(sequences, action)]
+    return RewardBatch(rollouts.prompts, rollouts.responses, rollouts.fields, rollouts.conversational, ids, state)
+
+
+def reward_metrics(components: dict[str, torch.Tensor], logged: dict[str, list[float]], ctx: DistributedContext,
+                   logs_metrics: bool, truncated: float | None = None) -> dict[str, float]:
+    """The reward metrics of an iteration over all ranks (one all-reduce):
+
+    reward/<source>               its mean raw score over the samples it scored (TRL's nanmean;
+                                  NaN when it scored none)
+    reward_scored_fraction/<source>  the share of samples it scored (1 but for functions returning None)
+    reward_fn/<name>              the mean of the values the functions passed log_metric(name, value)
+    reward_retokenize_truncated   a re-tokenising reward model's cuts (when `truncated` is given)
+
+    `logs_metrics`: some function may log metrics, on every rank alike: the names are gathered
+    from every rank first (a rank whose rows logged none still joins the sum)."""
+    sources = sorted(components)
+    names = sorted(logged)
+    if logs_metrics and ctx.world_size > 1:
+        names = sorted({n for rank in ctx.all_gather_object(names) for n in rank})  # type: ignore[union-attr]
+    parts: list[float] = []
+    for k in sources:
+        raw = components[k].double().cpu()  # scores may live on the GPU
+        here = ~raw.isnan()
+        parts += [float(raw[here].sum()), float(here.sum()), float(raw.numel())]
+    for k in names:
+        parts += [sum(logged.get(k, [])), float(len(logged.get(k, [])))]
+    parts.append(float(truncated or 0))
+    sums = ctx.all_reduce_sum(torch.tensor(parts, dtype=torch.float64)).tolist()
+    metrics = {}
+    for i, k in enumerate(sources):
+        total, scored, rows = sums[3 * i : 3 * i + 3]
+        metrics[f"reward/{k}"] = total / scored if scored else math.nan
+        metrics[f"reward_scored_fraction/{k}"] = scored / max(rows, 1.0)
+    offset = 3 * len(sources)
+    for i, k in enumerate(names):
+        total, count = sums[offset + 2 * i : offset + 2 * i + 2]
+        metrics[f"reward_fn/{k}"] = total / count if count else math.nan
+    if truncated is not None:
+        metrics["reward_retokenize_truncated"] = sums[-1]
+    return metrics
 
 
 def reward_statistics(reward_path: str, normalize: bool) -> tuple[float, float] | None:
@@ -253,5 +339,5 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
 __all__ = [
     "DEGENERATE_SCORE_STD", "REWARD_MODEL", "FunctionRewardSource", "RewardModelSource", "RewardSource",
     "WeightedReward", "build_reward_model_source", "build_reward_source", "check_reward_sources", "normalized",
-    "reward_statistics", "warn_if_degenerate",
+    "reward_metrics", "reward_statistics", "rollout_batch", "scores_tensor", "warn_if_degenerate",
 ]

@@ -42,6 +42,8 @@ class Rollouts:
     components: dict[str, torch.Tensor] | None = None  # [B] raw score of each reward source
     clipped: torch.Tensor | None = None  # [B] bool: --reward-clip cut the shaped score
     logprobs: torch.Tensor | None = None  # [B, T] float32: generation's log-prob of each response token, 0 elsewhere
+    conversational: list[bool] | None = None  # each row's prompt came as chat messages (None: none did)
+    extra: dict[str, list[Any]] | None = None  # the reward functions' log_extra columns, one value per row
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -95,6 +97,7 @@ def merge_rollouts(parts: list[Rollouts], pad_token_id: int) -> Rollouts:
         **tensors, ended_with_eos=torch.cat([p.ended_with_eos for p in parts]),
         prompts=[m for p in parts for m in p.prompts], responses=[r for p in parts for r in p.responses],
         fields=[f for p in parts for f in p.fields], metrics=dict(parts[0].metrics),
+        conversational=[c for p in parts for c in (p.conversational or [False] * len(p))],
     )
     for name in ("raw_scores", "scores", "clipped"):
         if all(getattr(p, name) is not None for p in parts):
@@ -103,6 +106,9 @@ def merge_rollouts(parts: list[Rollouts], pad_token_id: int) -> Rollouts:
         merged.logprobs = torch.cat([_pad_left_columns(p.logprobs, width - p.sequences.shape[1], 0.0) for p in parts])
     if all(p.components is not None for p in parts):
         merged.components = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
+    columns = dict.fromkeys(k for p in parts for k in (p.extra or {}))
+    if columns:  # a column one part's functions did not log is None on its rows
+        merged.extra = {k: [v for p in parts for v in (p.extra or {}).get(k, [None] * len(p))] for k in columns}
     return merged
 
 
@@ -118,6 +124,8 @@ def select_rows(rollouts: Rollouts, rows: list[int]) -> Rollouts:
             picked[f.name] = [value[i] for i in rows]
         elif isinstance(value, dict) and f.name == "components":
             picked[f.name] = {k: v[index] for k, v in value.items()}
+        elif isinstance(value, dict) and f.name == "extra":
+            picked[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
     return replace(rollouts, **picked)
 
 

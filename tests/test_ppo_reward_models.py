@@ -23,6 +23,7 @@ from rlhf.data.tokenization import encode_prompt, tokenize_pairs
 from rlhf.engine.distributed import DistributedContext
 from rlhf.models.tiny import build_char_tokenizer, tiny_config
 from rlhf.models.value_model import load_value_model
+from rlhf.reward_batch import RewardBatch
 from rlhf.stages.reward_sources import DEGENERATE_SCORE_STD, build_reward_source
 from tests.conftest import read_metrics, write_jsonl
 from tests.test_scored_sequence import chatml_tokenizer
@@ -98,7 +99,7 @@ def test_reward_model_with_another_tokenizer_scores_retokenised_rollouts(tiny_mo
     assert decoded == responses
     config = PPOConfig(actor=str(actor), reward=str(reward), critic=str(actor), normalize_reward=False)
     source = build_reward_source(config, DistributedContext.initialize(), actor_tok, "fp32")
-    got = source.score(ids, mask, messages, decoded)
+    got = source.score(ids, mask, RewardBatch(messages, decoded))
     model = load_value_model(reward).eval()
     expected = []
     for m, r in zip(messages, responses):

@@ -15,7 +15,8 @@ from rlhf.data.formats import parse_row
 from rlhf.data.sources import RawRow, load_rows
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
-from rlhf.reward_functions import load_reward_function, load_reward_functions, prompt_text
+from rlhf.reward_batch import RewardBatch
+from rlhf.reward_functions import RewardFunction, load_reward_function, load_reward_functions, prompt_text
 from rlhf.stages.reward_sources import (
     FunctionRewardSource,
     RewardModelSource,
@@ -92,34 +93,39 @@ def spec(path: Path, name: str) -> str:
 ROWS = [{"answer": "42", "level": 1}, {"answer": "7", "level": 2}]
 
 
+def call(fn: RewardFunction, prompts: list[str], responses: list[str], fields: list[dict]) -> list[float | None]:
+    """`fn` over standard rows whose prompts are one user turn each."""
+    return fn(RewardBatch.of_texts(prompts, responses, fields))
+
+
 def test_per_sample_function_gets_the_rows_answer_field(rewards_file: Path) -> None:
     fn = load_reward_function(spec(rewards_file, "contains_answer"))
     assert fn.name == "contains_answer" and not fn.batched
-    assert fn(["what is 6*7?", "3+4?"], ["it is 42", "it is 8"], ROWS) == [1.0, 0.0]  # bool -> 1.0 / 0.0
+    assert call(fn, ["what is 6*7?", "3+4?"], ["it is 42", "it is 8"], ROWS) == [1.0, 0.0]  # bool -> 1.0 / 0.0
 
 
 def test_per_sample_function_ignores_columns_it_does_not_take(rewards_file: Path) -> None:
-    assert load_reward_function(spec(rewards_file, "length"))(["p", "q"], ["abc", "de"], ROWS) == [3.0, 2.0]
+    assert call(load_reward_function(spec(rewards_file, "length")), ["p", "q"], ["abc", "de"], ROWS) == [3.0, 2.0]
 
 
 def test_kwargs_function_gets_every_column(rewards_file: Path) -> None:
     fn = load_reward_function(spec(rewards_file, "with_kwargs"))
-    assert fn(["p", "q"], ["42", "no"], ROWS) == [2.5, 2.0]
+    assert call(fn, ["p", "q"], ["42", "no"], ROWS) == [2.5, 2.0]
 
 
 def test_trl_batch_function_gets_columns_as_lists(rewards_file: Path) -> None:
     fn = load_reward_function(spec(rewards_file, "trl_accuracy"))
     assert fn.batched
-    assert fn(["p", "q"], ["42!", "8"], ROWS) == [1.0, 0.0]
+    assert call(fn, ["p", "q"], ["42!", "8"], ROWS) == [1.0, 0.0]
     # TRL functions often take `prompts` only through **kwargs, or not at all.
-    assert load_reward_function(spec(rewards_file, "trl_no_prompts"))(["p"], ["abcd"], [{}]) == [4.0]
+    assert call(load_reward_function(spec(rewards_file, "trl_no_prompts")), ["p"], ["abcd"], [{}]) == [4.0]
 
 
 def test_module_function(rewards_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(rewards_file.parent))
     monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
     fn = load_reward_function("my_rewards:contains_answer")
-    assert fn.name == "contains_answer" and fn(["p"], ["42"], [{"answer": "42"}]) == [1.0]
+    assert fn.name == "contains_answer" and call(fn, ["p"], ["42"], [{"answer": "42"}]) == [1.0]
     with pytest.raises(UserError, match=r"importing module no_such_module_xyz failed: ModuleNotFoundError"):
         load_reward_function("no_such_module_xyz:f")
 
@@ -127,7 +133,7 @@ def test_module_function(rewards_file: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_built_in_task_is_a_function() -> None:
     fn = load_reward_function("sort")
     assert fn.name == "sort"
-    assert fn(["sort: cab", "sort: cab"], ["abc", "acb"], [{"answer": "x"}, {}]) == [1.0, 0.0]
+    assert call(fn, ["sort: cab", "sort: cab"], ["abc", "acb"], [{"answer": "x"}, {}]) == [1.0, 0.0]
 
 
 def test_prompt_text_is_the_last_user_turn() -> None:
@@ -172,7 +178,8 @@ def test_a_file_that_fails_to_import_says_why(tmp_path: Path) -> None:
                                  r"cannot parse boom"),
     ("returns_text", ["ok", "bad"], r"row 1 of the batch \(prompt 'second prompt'\): returned 'x' \(str\), "
                                     r"expected a finite number"),
-    ("returns_nan", ["ok", "bad"], r"row 1 .*returned nan \(float\), expected a finite number"),
+    ("returns_nan", ["ok", "bad"], r"row 1 .*returned nan \(float\), expected a finite number \(return None to "
+                                   r"leave the sample unscored\)"),
     ("wrong_count", ["a", "b"], r"on a batch of 2 rows \(first prompt 'first prompt'\): returned 1 values for 2 "
                                 r"completions"),
     ("not_a_list", ["a", "b"], r"returned 1.0 \(float\), expected a list of 2 numbers"),
@@ -182,21 +189,21 @@ def test_bad_calls_name_the_function_and_the_row(rewards_file: Path, name: str, 
                                                   message: str) -> None:
     fn = load_reward_function(spec(rewards_file, name))
     with pytest.raises(UserError, match=message) as exc:
-        fn(["first prompt", "second prompt"], responses, [{}, {}])
+        call(fn, ["first prompt", "second prompt"], responses, [{}, {}])
     assert f"--reward-fn {spec(rewards_file, name)}:" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_long_prompts_are_shortened_in_errors(rewards_file: Path) -> None:
     fn = load_reward_function(spec(rewards_file, "raises"))
     with pytest.raises(UserError, match=r"prompt '" + "y" * 57 + r"\.\.\.'"):
-        fn(["y" * 500], ["boom"], [{}])
+        call(fn, ["y" * 500], ["boom"], [{}])
 
 
 def test_rlhf_debug_reraises_the_original_exception(rewards_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fn = load_reward_function(spec(rewards_file, "raises"))
     monkeypatch.setenv("RLHF_DEBUG", "1")
     with pytest.raises(ValueError, match="cannot parse boom"):
-        fn(["p"], ["boom"], [{}])
+        call(fn, ["p"], ["boom"], [{}])
 
 
 # ------------------------------------------------------------------ weighted sources
@@ -215,7 +222,7 @@ def test_weighted_reward_sums_weighted_sources_and_keeps_raw_components(rewards_
     assert reward.model_source is None and not reward.retokenizes and reward.take_truncated() == 0
     prompts = [[{"role": "user", "content": "6*7?"}], [{"role": "user", "content": "3+4?"}]]
     seq, attn = _batch(2)
-    got = reward.score(seq, attn, prompts, ["42", "eight"], ROWS)
+    got = reward.score(seq, attn, RewardBatch(prompts, ["42", "eight"], ROWS))
     # contains_answer: [1, 0]; length: [2, 5] -> 1 * [1, 0] + 0.5 * [2, 5] = [2, 2.5]
     assert got.dtype == torch.float32 and got.tolist() == [2.0, 2.5]
     assert {k: v.tolist() for k, v in reward.components.items()} == {"contains_answer": [1.0, 0.0],
@@ -226,7 +233,7 @@ def test_sources_are_normalised_by_their_own_statistics() -> None:
     class Constant:
         name, normalization = "reward_model", (1.0, 2.0)
 
-        def score(self, sequences, attention_mask, prompts, responses, fields=None, shared_prefix=0):
+        def score(self, sequences, attention_mask, batch, shared_prefix=0):
             return torch.tensor([5.0, 1.0])
 
     task = FunctionRewardSource(load_reward_function("sort"))
@@ -234,7 +241,7 @@ def test_sources_are_normalised_by_their_own_statistics() -> None:
     seq, attn = _batch(2)
     prompts = [[{"role": "user", "content": "sort: cba"}]] * 2
     # 2 * ([5, 1] - 1) / 2 + [1, 0] = [5, 0]
-    assert reward.score(seq, attn, prompts, ["abc", "bac"]).tolist() == [5.0, 0.0]
+    assert reward.score(seq, attn, RewardBatch(prompts, ["abc", "bac"])).tolist() == [5.0, 0.0]
     assert reward.components["reward_model"].tolist() == [5.0, 1.0] and reward.components["sort"].tolist() == [1, 0]
 
 
@@ -265,11 +272,12 @@ def test_functions_are_checked_before_any_model_loads(rewards_file: Path) -> Non
 # ------------------------------------------------------------------ data rows' extra columns
 
 
-def test_parsed_row_keeps_the_columns_the_format_does_not_read(tmp_path: Path) -> None:
+def test_parsed_row_keeps_every_column_but_prompt_and_completion(tmp_path: Path) -> None:
+    """As TRL passes them to a reward function (a `response` column is one of them)."""
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "6*7?", "answer": "42"},
-                                                     {"prompt": "hi", "response": "hello", "id": 3}])
+                                                     {"prompt": "hi", "completion": "hello", "id": 3}])
     rows = [parse_row(r) for r in load_rows(str(path))]
     assert rows[0].prompt == [{"role": "user", "content": "6*7?"}] and rows[0].fields == {"answer": "42"}
     assert rows[1].response == "hello" and rows[1].fields == {"id": 3}
     chat = parse_row(RawRow({"messages": [{"role": "user", "content": "q"}], "solution": [1, 2]}, "x", 0))
-    assert chat.fields == {"solution": [1, 2]}
+    assert chat.fields == {"messages": [{"role": "user", "content": "q"}], "solution": [1, 2]}

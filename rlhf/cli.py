@@ -1,7 +1,7 @@
 """`rlhf` command line: one subcommand per stage, flags generated from the typed configs.
 
 Every config field is a flag (its docstring is the help). Precedence, lowest first: defaults <
---deepspeed-config < --config file < flags given on the command line, applied by
+--deepspeed-config < --trl-config < --config file < flags given on the command line, applied by
 `rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
 click's own included, is one `error:` line and exit code 2 (`main`: a bad flag, file, model folder or
 data row, a full disk, a read-only folder, memory that cannot be allocated, a stalled rank; with
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import click
 
-from rlhf.config import ConfigSources, FieldInfo, leaf_fields, read_config_file, resolve_config
+from rlhf.config import ConfigSources, FieldInfo, RunConfig, leaf_fields, read_config_file, resolve_config
 from rlhf.errors import JobStalled, UserError, as_user_error, debug_enabled
 
 _output_path: str | None = None
@@ -44,11 +44,16 @@ def _option(info: FieldInfo) -> Callable[[Callable[..., Any]], Callable[..., Any
 
 
 def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add one click option per leaf field of `cls`, plus --config / --deepspeed-config / --nproc-per-node."""
+    """Add one click option per leaf field of `cls`, plus --config / --deepspeed-config / --nproc-per-node
+    (and --trl-config for a stage's config)."""
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         for info in reversed(leaf_fields(cls)):
             f = _option(info)(f)
+        if issubclass(cls, RunConfig):
+            f = click.option("--trl-config", "trl_config", type=str, default=None,
+                             help="A TRL SFTConfig / RewardConfig / GRPOConfig YAML or JSON in TRL's key names "
+                                  "(docs/trl-config.md); above --deepspeed-config, below --config and flags.")(f)
         f = click.option("--nproc-per-node", "nproc_per_node", type=int, default=None,
                          help="Run on this many processes (re-launches under torchrun; one GPU each).")(f)
         f = click.option("--deepspeed-config", "deepspeed_config", type=str, default=None,
@@ -63,21 +68,30 @@ def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., An
 
 def given_flags(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The config flags given on the command line (click passes None, or () for a repeatable flag, for
-    the others), without --config / --deepspeed-config / --nproc-per-node."""
-    skip = ("config_file", "deepspeed_config", "nproc_per_node")
+    the others), without --config / --deepspeed-config / --trl-config / --nproc-per-node."""
+    skip = ("config_file", "deepspeed_config", "trl_config", "nproc_per_node")
     return {name: list(value) if isinstance(value, tuple) else value for name, value in kwargs.items()
             if name not in skip and value is not None and value != ()}
 
 
-def build_config(cls: type, kwargs: dict[str, Any], command: str = "config") -> Any:
-    """A stage command's config: defaults < --deepspeed-config < --config < flags (`resolve_config`)."""
-    ds_path, file_path = kwargs.get("deepspeed_config"), kwargs.get("config_file")
-    deepspeed = None
+def build_config(cls: type, kwargs: dict[str, Any], command: str = "config", world_size: int | None = None) -> Any:
+    """A stage command's config: defaults < --deepspeed-config < --trl-config < --config < flags
+    (`resolve_config`). `world_size`: the processes the run will have (default: WORLD_SIZE, else
+    --nproc-per-node), which a TRL config's global generation_batch_size is divided by."""
+    file_path, trl = kwargs.get("config_file"), None
+    if kwargs.get("trl_config"):
+        from rlhf.trl_config import import_trl_config
+
+        world = world_size or int(os.environ.get("WORLD_SIZE") or kwargs.get("nproc_per_node") or 1)
+        trl = import_trl_config(kwargs["trl_config"], world)
+    from rlhf.trl_config import deepspeed_config_path
+
+    ds_path, deepspeed = deepspeed_config_path(kwargs.get("deepspeed_config"), trl), None
     if ds_path:
         from rlhf.ds_config import import_ds_config
 
         deepspeed = import_ds_config(ds_path)
-    sources = ConfigSources(deepspeed=deepspeed, file=read_config_file(file_path) if file_path else {},
+    sources = ConfigSources(deepspeed=deepspeed, trl=trl, file=read_config_file(file_path) if file_path else {},
                             file_name=file_path or "--config", flags=given_flags(kwargs))
     return resolve_config(cls(), sources, where=command)
 
@@ -359,8 +373,8 @@ def plan_command(name: str, config_cls: type) -> None:
 
         from rlhf.stages.plan import format_plan, plan_stage
 
-        config = build_config(config_cls, kwargs, f"rlhf plan {name}")
         world = world_size or kwargs.get("nproc_per_node") or 1
+        config = build_config(config_cls, kwargs, f"rlhf plan {name}", world_size=world)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         plan = plan_stage(name, config, world, device, seq_len, prompt_len, baseline_gb)

@@ -1,7 +1,8 @@
 """Typed configuration: dataclasses with a docstring per field, a YAML/JSON file, CLI overrides.
 
-Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--config`
-file < explicit CLI flags, applied by `resolve_config` alone. Every section's field names are unique
+Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--trl-config`
+(a TRL trainer config, `rlhf.trl_config`) < `--config` file < explicit CLI flags, applied by
+`resolve_config` alone. Every section's field names are unique
 across sections, so each field is also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and
 may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`, `lora:`). The
 resolved config is saved beside every output as config.yaml.
@@ -32,6 +33,7 @@ from rlhf.errors import UserError
 
 if TYPE_CHECKING:
     from rlhf.ds_config import DeepSpeedImport
+    from rlhf.trl_config import TrlImport
 
 ConfigT = TypeVar("ConfigT")
 
@@ -250,6 +252,10 @@ class RewardConfig(StageConfig):
 
     value_head_init_std: float | None = bounded(None, ge=0)
     """Initial value-head weights drawn from N(0, std); unset: std 1/sqrt(hidden_size + 1), as OpenRLHF / TRL classifier heads, so the backbone gets a gradient from the first step (a zero head, std 0, gives it none and a real model then learns nothing). Ignored when --model is already a reward model."""
+    center_rewards_coef: float = bounded(0.0, ge=0)
+    """Add coef x mean((score_chosen + score_rejected)^2) to the pairwise loss, pulling the scores towards mean zero (Eisenstein et al. 2023, eq. 2; TRL's center_rewards_coefficient, which recommends 0.01). 0: off."""
+    disable_dropout: bool = False
+    """Turn off every dropout layer of the backbone in training, as TRL's RewardTrainer does by default (LoRA's adapter dropout, --lora-dropout, stays). Off by default: the model's own dropout config applies."""
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -555,6 +561,8 @@ class ConfigSources:
 
     deepspeed: DeepSpeedImport | None = None
     """A parsed `--deepspeed-config` (`rlhf.ds_config.import_ds_config`)."""
+    trl: TrlImport | None = None
+    """A read `--trl-config` (`rlhf.trl_config.import_trl_config`): TRL's keys, mapped when applied."""
     file: Mapping[str, Any] = field(default_factory=dict)
     """A parsed `--config` file (flat or under engine:/data:/tracking:); for e2e, one stage's section."""
     file_name: str = "--config"
@@ -566,11 +574,13 @@ class ConfigSources:
 
 
 def resolve_config(config: ConfigT, sources: ConfigSources, where: str = "config") -> ConfigT:
-    """Apply `sources` onto `config` (which holds the defaults): ds_config < file < flags, each value
-    checked as it is set; then the rules between fields, once. Every command, and e2e for each
-    stage, resolves its config here and nowhere else."""
+    """Apply `sources` onto `config` (which holds the defaults): ds_config < TRL config < file <
+    flags, each value checked as it is set; then the rules between fields, once. Every command, and
+    e2e for each stage, resolves its config here and nowhere else."""
     if sources.deepspeed is not None:
         sources.deepspeed.apply_to(config)
+    if sources.trl is not None:
+        sources.trl.apply_to(config)
     if sources.file:
         apply_mapping(config, sources.file, sources.file_name)
     by_name = fields_by_name(type(config))

@@ -4,6 +4,7 @@
     rlhf e2e --output runs/e2e --reward-fn sort          # PPO on the task's checker (verifiable reward)
     rlhf e2e --advantage-estimator grpo       # SFT -> GRPO on the task's checker (no reward stage, no critic)
     rlhf e2e --config e2e.yaml --ppo.kl-coef 0.1 --sft.lr 1e-3
+    rlhf e2e --sft.trl-config sft.yaml --ppo.trl-config grpo.yaml   # TRL configs: docs/trl-config.md
     rlhf e2e --model Qwen/Qwen2-0.5B --data Anthropic/hh-rlhf --nproc-per-node 8
     rlhf e2e --model Qwen/Qwen2-0.5B --data HuggingFaceH4/ultrafeedback_binarized \
         --data-train-split train_prefs --data-test-split test_prefs   # splits: docs/data-sources.md
@@ -19,6 +20,7 @@ stages share one W&B group.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -122,19 +124,36 @@ def split_stage_sections(mapping: dict[str, Any], source: str) -> tuple[dict[str
 
 def resolve_stage_configs(stages: dict[str, Any], deepspeed_config: str | None, file_sections: dict[str, Any],
                           flags: dict[str, dict[str, str]], source: str) -> None:
-    """Each stage: e2e defaults < ds_config < the file's section < prefixed flags (`--ppo.kl-coef 0.1`)."""
+    """Each stage: e2e defaults < ds_config < its TRL config (`stage_trl_config`) < the file's
+    section < prefixed flags (`--ppo.kl-coef 0.1`)."""
     deepspeed = None
     if deepspeed_config:
         from rlhf.ds_config import import_ds_config
 
         deepspeed = import_ds_config(deepspeed_config)
     for name, stage in stages.items():
-        sources = ConfigSources(deepspeed=deepspeed, file=file_sections.get(name) or {}, file_name=f"{source} [{name}]",
-                                flags=flags.get(name, {}), flag_prefix=f"--{name}.")
+        section, stage_flags = dict(file_sections.get(name) or {}), dict(flags.get(name, {}))
+        trl = stage_trl_config(section, stage_flags)
+        sources = ConfigSources(deepspeed=deepspeed, trl=trl, file=section, file_name=f"{source} [{name}]",
+                                flags=stage_flags, flag_prefix=f"--{name}.")
         resolve_config(stage, sources, where=f"rlhf e2e [{name}]")
         if name != "ppo" and stage.lora.export_adapter:
             raise UserError(f"rlhf e2e [{name}]: export_adapter: the next stage loads {name}'s model, which must be "
                             "the merged one; drop it (ppo may export its adapter)")
+
+
+def stage_trl_config(section: dict[str, Any], flags: dict[str, str]) -> Any:
+    """A stage's TRL config (a TrlImport, or None): `--<stage>.trl-config FILE`, else the section's
+    `trl_config: FILE`; both are taken out of the section and the flags. The keys e2e wires itself
+    (model_name_or_path, output_dir, dataset_name, reward_model_name_or_path, deepspeed) are left
+    out of it, with a warning; e2e's --advantage-estimator keeps a critic-free estimator it names."""
+    paths = (flags.pop("trl-config", None), flags.pop("trl_config", None), section.pop("trl_config", None))
+    path = next((p for p in paths if p), None)
+    if path is None:
+        return None
+    from rlhf.trl_config import E2E_WIRED, import_trl_config
+
+    return import_trl_config(path, int(os.environ.get("WORLD_SIZE", "1")), skip=E2E_WIRED)
 
 
 def parse_prefixed_flags(args: list[str]) -> dict[str, dict[str, str]]:

@@ -39,7 +39,7 @@ from rlhf.engine.micro_batches import padded_tokens
 from rlhf.engine.packing import packed_scores, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
-from rlhf.models.loading import load_tokenizer
+from rlhf.models.loading import disable_dropout, load_tokenizer
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.models.value_model import deferred_value_model_from
 from rlhf.stages.trainer import (
@@ -55,7 +55,8 @@ EQUAL_PAIRS_KEY = "dropped_chosen_equals_rejected"
 
 
 def reward_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, moments: bool = False, pack: bool = False
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, moments: bool = False, pack: bool = False,
+    center_coef: float = 0.0,
 ) -> tuple[torch.Tensor, float, dict[str, float]]:
     """Pairwise loss SUMMED over the batch's pairs, the pair count, and metric sums.
 
@@ -64,7 +65,8 @@ def reward_loss(
     (sum of squared scores of both responses) when `moments` is set, for the score std. With
     `pack` the scores come from one packed forward over the sequences' real tokens
     (engine/packing.py) where the model packs, they hold at most MAX_PACK_TOKENS real tokens and
-    that is fewer than the padded forward's.
+    that is fewer than the padded forward's. `center_coef`: --center-rewards-coef's term
+    (`pairwise_reward_loss`).
     """
     # Inputs go to the compute device explicitly: with offload the params live on the CPU.
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -75,7 +77,7 @@ def reward_loss(
         scores = model.score(ids, mask)
     n = scores.shape[0] // 2
     chosen, rejected = scores[:n], scores[n:]
-    loss, _ = pairwise_reward_loss(chosen, rejected, batch["margin"])
+    loss, _ = pairwise_reward_loss(chosen, rejected, batch["margin"], center_coef)
     sums = {
         # Counted, not mean x n: a float32 mean times n is not an integer (0.97499999 for 39 of 40).
         "accuracy": float((chosen > rejected).sum()),
@@ -150,6 +152,8 @@ def run(config: RewardConfig) -> dict[str, Any]:
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 
     model, weights = deferred_value_model_from(config.model, config.value_head_init_std)  # on meta: sharded loading
+    if config.disable_dropout:
+        disable_dropout(model)  # before LoRA: an explicit --lora-dropout stays
     model, weights = with_lora(model, weights, config, config.model, "reward")  # the value head trains in full
     # The pairwise loss depends on score differences only, so the head's bias gets a zero gradient
     # in exact arithmetic; trained, Adam would turn float noise in that gradient into lr-sized
@@ -162,7 +166,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
         return collate_pairs(rows, tokenizer.pad_token_id)
 
     pack = bool(config.pack_sequences and config.max_tokens_per_micro_batch)
-    loss_fn = partial(reward_loss, device=ctx.device, pack=pack)
+    loss_fn = partial(reward_loss, device=ctx.device, pack=pack, center_coef=config.center_rewards_coef)
 
     def eval_fn() -> dict[str, float]:
         return evaluate(engine, eval_rows, collate, loss_fn)

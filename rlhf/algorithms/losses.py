@@ -37,14 +37,16 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -
 
 
 def pairwise_reward_loss(
-    chosen_scores: Tensor, rejected_scores: Tensor, margin: Tensor | float | None = None
+    chosen_scores: Tensor, rejected_scores: Tensor, margin: Tensor | float | None = None, center_coef: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """Bradley-Terry preference loss of a reward model and its pairwise accuracy.
 
     loss = mean(-log sigmoid(r_chosen - r_rejected - margin)) over the [B] pairs, as InstructGPT
     and DeepSpeed-Chat's reward model; `margin` (a float or [B] tensor) is Llama 2's preference
-    margin. `logsigmoid` keeps it finite for large score gaps. Accuracy (detached) is the share
-    of pairs with r_chosen > r_rejected, the margin not counted.
+    margin. `logsigmoid` keeps it finite for large score gaps. `center_coef` adds
+    center_coef * mean((r_chosen + r_rejected)^2), which pulls the scores towards mean zero
+    (Eisenstein et al. 2023, eq. 2; TRL's center_rewards_coefficient). Accuracy (detached) is the
+    share of pairs with r_chosen > r_rejected, the margin not counted.
     """
     chosen = chosen_scores.to(torch.float32)
     rejected = rejected_scores.to(torch.float32)
@@ -52,6 +54,8 @@ def pairwise_reward_loss(
     if margin is not None:
         diff = diff - margin
     loss = -F.logsigmoid(diff).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
     with torch.no_grad():
         accuracy = (chosen > rejected).to(torch.float32).mean()
     return loss, accuracy

@@ -164,3 +164,12 @@ def deferred_causal_lm(name_or_path: str, flag: str = "--model") -> tuple[PreTra
                                  with_or_without_prefix(model.base_model_prefix),
                                  ignored=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
     return model, weights
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout layer of `model` set to p = 0, as TRL's `disable_dropout_in_model`: a reward
+    model's scores (and PPO's ratio) then compare the same function in training and evaluation."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model

@@ -7,7 +7,8 @@
     rlhf e2e --sft.trl-config sft.yaml --ppo.trl-config grpo.yaml   # TRL configs: docs/trl-config.md
     rlhf e2e --model Qwen/Qwen2-0.5B --data Anthropic/hh-rlhf --nproc-per-node 8
     rlhf e2e --model Qwen/Qwen2-0.5B --data HuggingFaceH4/ultrafeedback_binarized \
-        --data-train-split train_prefs --data-test-split test_prefs   # splits: docs/data-sources.md
+        --data-train-split train_prefs --data-test-split test_prefs \
+        --data-columns sft_messages=messages      # splits, configs, columns, mixes: docs/data-sources.md
     rlhf e2e --preset smollm2                 # SmolLM2-135M-Instruct (`rlhf models get`) + arithmetic_words
     rlhf e2e --preset smollm2 --advantage-estimator grpo   # the same with GRPO on the task's checker
 

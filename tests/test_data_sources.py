@@ -18,7 +18,7 @@ from rlhf.config import ConfigSources, DataConfig, E2EConfig, PPOConfig, SFTConf
 from rlhf.data.formats import parse_row
 from rlhf.data.sources import RawRow, load_rows, mix_rows, stage_share
 from rlhf.data.stage_rows import load_stage_rows
-from rlhf.data.tokenization import TokenizeStats, tokenize_prompts, tokenize_sft
+from rlhf.data.tokenization import TokenizeStats, tokenize_pairs, tokenize_prompts, tokenize_sft
 from rlhf.errors import UserError
 from rlhf.models.tiny import build_char_tokenizer
 from rlhf.stages.e2e import resolve_stage_configs, stage_configs
@@ -83,11 +83,20 @@ def test_a_saved_dataset_dict_gives_the_named_split_and_names_its_splits(prefs_d
         load_rows(str(prefs_dict), split="train_prefs", config="main")
 
 
-def test_a_saved_dataset_holds_one_split(tmp_path: Path) -> None:
+def test_a_saved_dataset_holds_one_split_by_its_name(tmp_path: Path, configs_folder: Path) -> None:
     Dataset.from_list(qa_rows(3, "x")).save_to_disk(str(tmp_path / "one"))
     assert len(load_rows(str(tmp_path / "one"))) == 3
-    with pytest.raises(UserError, match=r"a saved Dataset holds one split \('train'\), not 'test'"):
+    with pytest.raises(UserError, match=r"one: a saved Dataset holds only the split 'train', not 'test'"):
         load_rows(str(tmp_path / "one"), split="test")
+    # Saved from a split: only that name, so that no train and test split are ever the same rows.
+    import datasets
+
+    test_only = tmp_path / "test_only"
+    datasets.load_dataset(str(configs_folder), "main", split="test").save_to_disk(str(test_only))
+    assert load_rows(str(test_only), split="test")[0].where == f"{test_only} (split test) row 0"
+    with pytest.raises(UserError, match=r"holds only the split 'test', not 'train' \(--data-train-split\); "
+                                        r"ask for 'test'"):
+        load_rows(str(test_only), split_flag="--data-train-split")
 
 
 def test_a_readme_with_configs_selects_config_and_split(configs_folder: Path) -> None:
@@ -97,7 +106,8 @@ def test_a_readme_with_configs_selects_config_and_split(configs_folder: Path) ->
     assert len(load_rows(str(configs_folder), config="main")) == 5
     with pytest.raises(UserError) as exc:
         load_rows(str(configs_folder), config="nope")
-    assert str(exc.value) == f"{configs_folder} (config nope): no config 'nope' (--data-config); its configs: main, socratic"
+    assert str(exc.value) == (f"{configs_folder} (config nope): no config 'nope' (--data-config); "
+                              "its configs: main, socratic")
     with pytest.raises(UserError) as exc:
         load_rows(str(configs_folder))
     assert str(exc.value) == f"{configs_folder}: it has configs main, socratic; pick one with --data-config NAME"
@@ -285,7 +295,8 @@ def test_e2e_passes_the_selection_to_every_stage_and_the_test_split_to_sft_and_r
     assert stages["reward"].data.eval_split == 0  # the test split replaces e2e's 5% holdout
     # A stage's prefixed flag overrides what e2e passed it.
     resolve_stage_configs(stages, None, {}, {"sft": {"data-train-split": "train_sft"}}, "--config")
-    assert stages["sft"].data.data_train_split == "train_sft" and stages["reward"].data.data_train_split == "train_prefs"
+    assert stages["sft"].data.data_train_split == "train_sft"
+    assert stages["reward"].data.data_train_split == "train_prefs"
     with pytest.raises(UserError, match=r"rlhf e2e \[ppo\]: data_test_split: 'test_prefs': ppo has no eval set"):
         resolve_stage_configs(stages, None, {}, {"ppo": {"data-test-split": "test_prefs"}}, "--config")
 
@@ -323,3 +334,49 @@ def test_an_unknown_split_on_the_command_line_is_one_error_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: {prefs_dict}: no split 'train_sft' (--data-train-split); "
                        "its splits: train_prefs, test_prefs")
+
+
+def test_e2e_shares_the_selection_of_its_data_between_the_stages(tmp_path: Path, log_records: list,
+                                                                   one_thread: None) -> None:
+    """`rlhf e2e` on two saved DatasetDicts (a train_pairs / test_pairs split, a column to rename),
+    mixed 2:1 and then shared out 1,1,1: every stage reads the same mix, sft and reward evaluate on
+    the test splits."""
+    for name, n in (("a", 30), ("b", 30)):
+        pairs = [{"question": f"{name} {i}+1=", "chosen": str(i + 1), "rejected": str(i)} for i in range(n)]
+        DatasetDict({"train_pairs": Dataset.from_list(pairs), "test_pairs": Dataset.from_list(pairs[:4])}
+                    ).save_to_disk(str(tmp_path / name))
+    out = tmp_path / "run"
+    main(["e2e", "--output", str(out), "--data", str(tmp_path / "a"), "--data", str(tmp_path / "b"),
+          "--data-mix", "2,1", "--data-split", "1,1,1", "--data-train-split", "train_pairs",
+          "--data-test-split", "test_pairs", "--data-columns", "prompt=question", "--tiny-hidden-size", "32",
+          "--report-to", "none", "--sft.max-steps", "1", "--sft.micro-batch-size", "4", "--reward.max-steps", "1",
+          "--reward.micro-batch-size", "4", "--ppo.max-steps", "1", "--ppo.generation-batch-size", "4",
+          "--ppo.micro-batch-size", "4", "--ppo.max-new-tokens", "4"])
+    sft, reward, ppo = (json.loads((out / s / "summary.json").read_text()) for s in ("sft", "reward", "ppo"))
+    assert sft["train_rows"] == reward["train_rows"] == 15 and ppo["prompts"] == 15  # 45 mixed rows, a third each
+    assert sft["eval_rows"] == reward["eval_rows"] == 8 and "eval_kept" not in ppo["data"]
+    assert sft["data"]["mix_left_out"] == reward["data"]["mix_left_out"] == ppo["data"]["mix_left_out"] == 15
+    assert messages(log_records).count(f"{tmp_path / 'b'} (split train_pairs) gave 15 of 30 (15 left out)") == 3
+
+
+def test_an_ultrafeedback_shaped_dataset_trains_the_reward_stage_with_its_messages_renamed_away(
+        tmp_path: Path) -> None:
+    """ultrafeedback_binarized's columns and splits (train_prefs / test_prefs): its `messages` column
+    would make each row an SFT conversation; renamed away, the rows are preference pairs."""
+    def rows(n: int) -> list[dict]:
+        out = []
+        for i in range(n):
+            prompt = f"{i}+1="
+            chosen = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(i + 1)}]
+            rejected = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(i)}]
+            out.append({"prompt": prompt, "prompt_id": str(i), "chosen": chosen, "rejected": rejected,
+                        "messages": chosen, "score_chosen": 8.0, "score_rejected": 2.0})
+        return out
+
+    DatasetDict({"train_prefs": Dataset.from_list(rows(6)), "test_prefs": Dataset.from_list(rows(2))}
+                ).save_to_disk(str(tmp_path / "uf"))
+    data = DataConfig(data=[str(tmp_path / "uf")], data_train_split="train_prefs", data_test_split="test_prefs",
+                      data_columns=["sft_messages=messages"])
+    tok = build_char_tokenizer()
+    stage = load_stage_rows(data, "reward", 0, lambda parsed: tokenize_pairs(parsed, tok, 64), empty="none")
+    assert (len(stage.train), len(stage.eval), stage.stats["kept"], stage.stats["eval_kept"]) == (6, 2, 6, 2)

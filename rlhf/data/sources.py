@@ -86,7 +86,7 @@ def _json_lines(path: Path, text: str) -> list[Any]:
 
 def _read_json(path: Path) -> list[Any] | dict[str, list[Any]]:
     """A .jsonl file's lines; a .json file's list, its object of splits ({"train": [...], "test":
-    [...]}: every value a list), or its JSON lines."""
+    [...]}: every value a list), its one object (a row), or its JSON lines."""
     text = read_text_file(path)
     if path.suffix.lower() == ".json":
         try:
@@ -99,6 +99,8 @@ def _read_json(path: Path) -> list[Any] | dict[str, list[Any]]:
             return data
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
             return data
+        if isinstance(data, dict):
+            return [data]  # one row
     return _json_lines(path, text)
 
 
@@ -167,7 +169,7 @@ def _file_rows(path: Path, split: str, config: str | None, split_flag: str | Non
 
 
 def _saved_rows(path: Path, split: str, config: str | None, split_flag: str | None) -> tuple[list[Any], str | None]:
-    """A `save_to_disk` folder's rows: a DatasetDict's split, or a saved Dataset (its one split)."""
+    """A `save_to_disk` folder's rows: a DatasetDict's split, or a saved Dataset's (its one split)."""
     datasets = import_dependency("datasets", f"{path}: reading a saved dataset folder")
     if config is not None:
         raise UserError(f"{path}: a save_to_disk folder has no configs (--data-config {config}); drop --data-config")
@@ -178,11 +180,13 @@ def _saved_rows(path: Path, split: str, config: str | None, split_flag: str | No
         raise UserError(f"{path}: could not load the saved dataset: {_first_line(exc)}") from None
     if isinstance(dataset, datasets.DatasetDict):
         return list(_pick_split(dataset, str(path), split, split_flag)), split
-    names = ["train", *([str(dataset.split)] if dataset.split and str(dataset.split) != "train" else [])]
-    if split not in names:
-        raise UserError(f"{path}: a saved Dataset holds one split ({' or '.join(repr(n) for n in names)}), not "
-                        f"{split!r}{_flag(split_flag)}; save a DatasetDict with that split")
-    return list(dataset), None
+    # One split: the one it was made from (load_dataset(..., split=...)), else "train". Only that
+    # name, so that a train and a test split can never both be these rows.
+    name = str(dataset.split) if dataset.split else "train"
+    if split != name:
+        raise UserError(f"{path}: a saved Dataset holds only the split {name!r}, not {split!r}{_flag(split_flag)}; "
+                        f"ask for {name!r}, or save a DatasetDict with both splits")
+    return list(dataset), None if name == "train" else name
 
 
 def _selection_problem(datasets: Any, name: str, split: str, config: str | None,

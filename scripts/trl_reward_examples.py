@@ -131,7 +131,7 @@ def probe(prompts, completions, completion_ids, trainer_state, log_extra, log_me
                                   for ids in completion_ids) and len(completion_ids) == len(completions),
             "global_step": trainer_state.global_step,
             "max_steps": trainer_state.max_steps,
-            "epoch": type(trainer_state.epoch).__name__,
+            "epoch": trainer_state.epoch,
             "logs_callable": callable(log_extra) and callable(log_metric),
             "column_lists": all(isinstance(v, list) and len(v) == len(completions) for v in kwargs.values()),
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -340,11 +341,17 @@ def test_trl_examples_run_unchanged_on_conversational_rows(tiny_model_dirs, tmp_
 # ------------------------------------------------------------------ the same file in TRL's GRPOTrainer
 
 
+TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /tmp/trl1-peer/venv/bin/python)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install trl)")
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None and not TRL_PYTHON,
+                    reason="needs trl here (pip install trl) or TRL_PYTHON naming a python with trl")
 def test_check_script_runs_the_examples_in_trl_and_rlhf(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "check_trl_reward_functions.py"), "--workdir",
-                           str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=900)
+    command = [sys.executable, str(REPO / "scripts" / "check_trl_reward_functions.py"), "--workdir", str(tmp_path)]
+    if importlib.util.find_spec("trl") is None:
+        command += ["--trl-python", str(TRL_PYTHON)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"], result

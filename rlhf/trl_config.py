@@ -84,7 +84,9 @@ class TrlReader:
     def __init__(self, path: Path, data: Mapping[str, Any], stage: str, config: Any, world_size: int,
                  skip: Mapping[str, str]) -> None:
         self.path, self.stage, self.config, self.world_size = path, stage, config, world_size
-        self.data = {k: v for k, v in data.items() if k not in skip}
+        # TrainingArguments.to_dict() writes a *_token key's value as "<KEY>": a saved config's unset token
+        self.data = {k: None if isinstance(v, str) and k.endswith("_token") and v == f"<{k.upper()}>" else v
+                     for k, v in data.items() if k not in skip}
         self.skipped = [f"{k} ({skip[k]})" for k in data if k in skip]
         self.fields = fields_by_name(type(config))
         self.values: dict[str, Any] = {}

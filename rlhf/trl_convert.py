@@ -146,10 +146,9 @@ def batch(r: TrlReader) -> None:
     if r.stage != GRPO:
         return
     micro, accum = r.current("micro_batch_size"), r.current("grad_accum")
-    if r.has("generation_batch_size") and r.has("steps_per_generation"):
-        raise r.refuse("generation_batch_size", "and steps_per_generation are both set; TRL takes one of them")
-    key = "generation_batch_size" if r.has("generation_batch_size") else "steps_per_generation"
-    if r.has("generation_batch_size"):
+    key = "steps_per_generation" if r.has("steps_per_generation") or not r.has("generation_batch_size") \
+        else "generation_batch_size"
+    if key == "generation_batch_size":
         total, devices = r.get(key), micro * r.world_size
         if not isinstance(total, int) or isinstance(total, bool) or total <= 0 or total % devices:
             raise r.refuse(key, f"must be a multiple of per_device_train_batch_size x processes = {micro} x "
@@ -159,6 +158,11 @@ def batch(r: TrlReader) -> None:
         per_generation = r.get(key, accum)
         if not isinstance(per_generation, int) or isinstance(per_generation, bool) or per_generation < 1:
             raise r.refuse(key, "must be a whole number >= 1")
+        # A config TRL saved holds both (its __post_init__ fills in the other); they must agree.
+        if r.has("generation_batch_size") and r.get("generation_batch_size") != micro * r.world_size * per_generation:
+            raise r.refuse("generation_batch_size", f"and steps_per_generation: {per_generation} disagree for "
+                                                    f"{r.world_size} process(es) of per_device_train_batch_size "
+                                                    f"{micro}; keep one of them")
     if per_generation % accum:
         raise r.refuse(key, f"gives {per_generation} micro-batches per generation, not a multiple of "
                             f"gradient_accumulation_steps {accum}: an optimizer step here cannot span two "

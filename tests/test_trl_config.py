@@ -3,9 +3,13 @@ in one warning, values that cannot be honoured refused in one line, the preceden
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +156,8 @@ CONVERSIONS = [
     ("grpo", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
      {"generation_batch_size": 8, "grad_accum": 2}),
     ("grpo", {"per_device_train_batch_size": 4}, {"generation_batch_size": 4, "grad_accum": 1}),
+    ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 2, "generation_batch_size": 8},  # TRL saved both
+     {"generation_batch_size": 8}),
     ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 4, "num_iterations": 2, "max_steps": 80,
               "logging_steps": 10, "save_steps": 16},
      {"generation_batch_size": 16, "max_steps": 10, "log_interval": 2, "save_interval": 2}),
@@ -228,7 +234,8 @@ REFUSED = [
     ("grpo", {"reward_funcs": ["get_soft_overlong_punishment"]}, "use overlong_buffer and overlong_penalty"),
     ("grpo", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "steps_per_generation": 2},
      "steps_per_generation: 2 gives 2 micro-batches per generation, not a multiple of gradient_accumulation_steps 4"),
-    ("grpo", {"steps_per_generation": 2, "generation_batch_size": 16}, "and steps_per_generation are both set"),
+    ("grpo", {"steps_per_generation": 2, "generation_batch_size": 16},
+     "generation_batch_size: 16 and steps_per_generation: 2 disagree for 1 process(es) of per_device_train_batch_size 4"),
     ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 4, "max_steps": 10},
      "max_steps: 10 optimizer steps are not whole generations (each feeds 4 optimizer steps"),
     ("sft", {"packing": True, "packing_strategy": "wrapped"}, "packing_strategy: 'wrapped' cuts sequences"),
@@ -263,6 +270,41 @@ def test_values_that_cannot_be_honoured_are_refused(stage, trl, message, tmp_pat
     assert message in str(exc.value) and "\n" not in str(exc.value)
     if "must be >= 2" not in message:  # the rule between fields names the command, not the file
         assert str(exc.value).startswith(f"{tmp_path / 'trl.yaml'}: ")
+
+
+def test_a_saved_configs_masked_tokens_are_unset(tmp_path):
+    config = resolve(SFTConfig, {"eos_token": "<EOS_TOKEN>", "pad_token": "<PAD_TOKEN>", "hub_token": "<HUB_TOKEN>"},
+                     tmp_path)  # TrainingArguments.to_dict() writes *_token values so
+    assert config.data.max_seq_len == 512
+
+
+TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /tmp/trl1-peer/venv/bin/python)
+DUMP = """
+import json, sys
+from trl import GRPOConfig, RewardConfig, SFTConfig
+for name, cls in (("sft", SFTConfig), ("reward", RewardConfig), ("grpo", GRPOConfig)):
+    config = cls(output_dir=sys.argv[1] + "/" + name, use_cpu=True, learning_rate=3e-5, num_train_epochs=2,
+                 per_device_train_batch_size=4, gradient_accumulation_steps=2, lr_scheduler_type="cosine")
+    open(f"{sys.argv[1]}/{name}.json", "w").write(json.dumps(config.to_dict(), default=str))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None and not TRL_PYTHON,
+                    reason="needs trl here (pip install trl) or TRL_PYTHON naming a python with trl")
+def test_configs_saved_by_trl_itself_import(tmp_path, log_records):
+    """TRL's own to_dict() of each config (every key, post-init values: both GRPO batch keys filled in)."""
+    python = sys.executable if importlib.util.find_spec("trl") is not None else str(TRL_PYTHON)
+    subprocess.run([python, "-c", DUMP, str(tmp_path)], check=True, capture_output=True, timeout=300)
+    for name, cls in (("sft", SFTConfig), ("reward", RewardConfig), ("grpo", PPOConfig)):
+        config = build_config(cls, {"trl_config": str(tmp_path / f"{name}.json")}, f"rlhf {name}", world_size=1)
+        engine = config.engine
+        assert (engine.lr, engine.micro_batch_size, engine.grad_accum, config.epochs) == (3e-5, 4, 2, 2)
+        assert engine.lr_scheduler == "cosine" and engine.dtype == "bf16" and engine.gradient_checkpointing
+        assert config.output == str(tmp_path / name) and config.tracking.log_interval == 10
+    assert config.generation_batch_size == 8 and config.samples_per_prompt == 8 and config.kl_coef == 0.0
+    assert config.max_new_tokens == 512 and config.loss_aggregation == "token-mean"  # TRL's dapo
+    warnings = [r.getMessage() for r in log_records if r.levelno == logging.WARNING and "json" in r.getMessage()]
+    assert len(warnings) == 3 and all("push_to_hub" in w for w in warnings)
 
 
 def test_a_refusal_is_one_error_line_from_the_cli(tmp_path, capsys, monkeypatch):

@@ -359,10 +359,9 @@ def test_e2e_shares_the_selection_of_its_data_between_the_stages(tmp_path: Path,
     assert messages(log_records).count(f"{tmp_path / 'b'} (split train_pairs) gave 15 of 30 (15 left out)") == 3
 
 
-def test_an_ultrafeedback_shaped_dataset_trains_the_reward_stage_with_its_messages_renamed_away(
-        tmp_path: Path) -> None:
-    """ultrafeedback_binarized's columns and splits (train_prefs / test_prefs): its `messages` column
-    would make each row an SFT conversation; renamed away, the rows are preference pairs."""
+def test_an_ultrafeedback_shaped_dataset_trains_the_reward_stage(tmp_path: Path) -> None:
+    """ultrafeedback_binarized's columns and splits (train_prefs / test_prefs): a row with chosen and
+    rejected is a preference pair although it also has a `messages` column."""
     def rows(n: int) -> list[dict]:
         out = []
         for i in range(n):
@@ -375,8 +374,7 @@ def test_an_ultrafeedback_shaped_dataset_trains_the_reward_stage_with_its_messag
 
     DatasetDict({"train_prefs": Dataset.from_list(rows(6)), "test_prefs": Dataset.from_list(rows(2))}
                 ).save_to_disk(str(tmp_path / "uf"))
-    data = DataConfig(data=[str(tmp_path / "uf")], data_train_split="train_prefs", data_test_split="test_prefs",
-                      data_columns=["sft_messages=messages"])
+    data = DataConfig(data=[str(tmp_path / "uf")], data_train_split="train_prefs", data_test_split="test_prefs")
     tok = build_char_tokenizer()
     stage = load_stage_rows(data, "reward", 0, lambda parsed: tokenize_pairs(parsed, tok, 64), empty="none")
     assert (len(stage.train), len(stage.eval), stage.stats["kept"], stage.stats["eval_kept"]) == (6, 2, 6, 2)

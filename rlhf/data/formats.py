@@ -310,6 +310,12 @@ def parse_row(row: RawRow) -> ParsedRow:
     margin = d.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
         raise UserError(f"{where}: field 'margin' must be a number")
+    if "chosen" in d and "rejected" in d:
+        prompt, chosen, rejected = _preference(d, where)
+        conversational = any(isinstance(d.get(k), list) for k in ("prompt", "chosen", "rejected"))
+        return ParsedRow("preference", prompt, completion=chosen, chosen=chosen, rejected=rejected, tools=tools,
+                         margin=float(margin) if margin is not None else None, conversational=conversational,
+                         fields=fields, where=where)
     if "messages" in d:
         if not isinstance(d["messages"], list):
             raise UserError(f"{where}: field 'messages' must be a list of {{role, content}} messages")
@@ -317,12 +323,6 @@ def parse_row(row: RawRow) -> ParsedRow:
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         return ParsedRow("language modeling", msgs[:first], completion=msgs[first:] or None, tools=tools,
                          conversational=True, fields=fields, where=where)
-    if "chosen" in d and "rejected" in d:
-        prompt, chosen, rejected = _preference(d, where)
-        conversational = any(isinstance(d.get(k), list) for k in ("prompt", "chosen", "rejected"))
-        return ParsedRow("preference", prompt, completion=chosen, chosen=chosen, rejected=rejected, tools=tools,
-                         margin=float(margin) if margin is not None else None, conversational=conversational,
-                         fields=fields, where=where)
     if "completions" in d and "labels" in d:
         raise UserError(f"{where}: a stepwise-supervision row (prompt, completions, labels); no stage trains on this "
                         "type (process reward models): convert it to preference pairs for rlhf reward")

@@ -134,7 +134,8 @@ class TrlReader:
         for key, rules in TRL_KEYS.items():
             rule = rule_for(rules, self.stage)
             if isinstance(rule, Joint):
-                if rule.function not in done and (rule.always or any(self.has(k) for k in joint_keys(rule, self.stage))):
+                wanted = rule.always or any(self.has(k) for k in joint_keys(rule, self.stage))
+                if rule.function not in done and wanted:
                     rule.function(self)
                 done.add(rule.function)
             elif rule is not None and key in self.data:

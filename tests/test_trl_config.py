@@ -156,7 +156,8 @@ CONVERSIONS = [
     ("grpo", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
      {"generation_batch_size": 8, "grad_accum": 2}),
     ("grpo", {"per_device_train_batch_size": 4}, {"generation_batch_size": 4, "grad_accum": 1}),
-    ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 2, "generation_batch_size": 8},  # TRL saved both
+    # a config TRL saved holds both
+    ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 2, "generation_batch_size": 8},
      {"generation_batch_size": 8}),
     ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 4, "num_iterations": 2, "max_steps": 80,
               "logging_steps": 10, "save_steps": 16},
@@ -235,7 +236,8 @@ REFUSED = [
     ("grpo", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "steps_per_generation": 2},
      "steps_per_generation: 2 gives 2 micro-batches per generation, not a multiple of gradient_accumulation_steps 4"),
     ("grpo", {"steps_per_generation": 2, "generation_batch_size": 16},
-     "generation_batch_size: 16 and steps_per_generation: 2 disagree for 1 process(es) of per_device_train_batch_size 4"),
+     "generation_batch_size: 16 and steps_per_generation: 2 disagree for 1 process(es) of "
+     "per_device_train_batch_size 4"),
     ("grpo", {"per_device_train_batch_size": 4, "steps_per_generation": 4, "max_steps": 10},
      "max_steps: 10 optimizer steps are not whole generations (each feeds 4 optimizer steps"),
     ("sft", {"packing": True, "packing_strategy": "wrapped"}, "packing_strategy: 'wrapped' cuts sequences"),
@@ -377,7 +379,8 @@ def test_center_rewards_term_by_hand():
 
 
 def test_disable_dropout_zeroes_every_dropout_layer():
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Sequential(torch.nn.Dropout(0.3)))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1),
+                                torch.nn.Sequential(torch.nn.Dropout(0.3)))
     disable_dropout(model)
     assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
 

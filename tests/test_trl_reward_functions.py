@@ -26,7 +26,7 @@ from rlhf.reward_batch import RewardBatch, trainer_state
 from rlhf.reward_functions import load_reward_function
 from rlhf.stages.reward_sources import FunctionRewardSource, WeightedReward, reward_metrics, rollout_batch
 from rlhf.stages.rollouts import Rollouts, merge_rollouts, select_rows
-from tests.conftest import REPO, read_metrics, write_jsonl
+from tests.conftest import REPO, read_metrics, run_cli, write_jsonl
 
 EXAMPLES = REPO / "scripts" / "trl_reward_examples.py"
 
@@ -336,6 +336,29 @@ def test_trl_examples_run_unchanged_on_conversational_rows(tiny_model_dirs, tmp_
     calls = _probe_records(tmp_path / "probe.jsonl")
     assert all(c["prompt"] == "list" and c["prompt_roles"] == ["system", "user"] and c["completion"] == "list"
                and c["completion_message"] == ["content", "role"] and c["columns"] == ["task"] for c in calls), calls
+
+
+def test_logged_metrics_columns_and_none_over_two_ranks_with_dynamic_sampling(tiny_model_dirs, tmp_path) -> None:
+    """Groups of 4 over two ranks of 2 rows: log_metric names are gathered from both ranks, the
+    log_extra columns and None scores follow the rows dynamic sampling keeps."""
+    rows = [{"prompt": f"{a}+{a}=", "task": "math" if a % 2 else "coding", "ground_truth": str(2 * a)}
+            for a in range(8)]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "two"
+    args = ["ppo", "--actor", str(tiny_model_dirs["llama"]), "--data", str(data), "--output", str(out),
+            "--advantage-estimator", "grpo", "--generation-batch-size", "2", "--samples-per-prompt", "4",
+            "--max-new-tokens", "6", "--max-steps", "2", "--report-to", "none", "--optimizer-impl", "torch",
+            "--micro-batch-size", "2", "--dynamic-sampling", "--seed", "1"]
+    for name in ("accuracy_with_logging", "math_reward_func", "coding_reward_func", "curriculum_reward"):
+        args += ["--reward-fn", f"{EXAMPLES}:{name}"]
+    done = run_cli(args, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["reward_fn/global_step"] for m in metrics] == [0.0, 1.0]
+    assert all(m["reward_scored_fraction/math_reward_func"] + m["reward_scored_fraction/coding_reward_func"] == 1
+               for m in metrics)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["golden_answer"] == str(2 * int(s["prompt"].split("+")[0])) for s in samples)
 
 
 # ------------------------------------------------------------------ the same file in TRL's GRPOTrainer

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
+from rlhf.fileio import honour_umask, replace_file
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -56,7 +57,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_file(tmp, path)
 
 
 METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's shards
@@ -145,6 +146,7 @@ class Checkpointer:
         if self.ctx.is_main:
             if final.exists():  # a step redone after resuming from an earlier checkpoint
                 discard(final)
+            honour_umask(tmp)
             os.replace(tmp, final)
             write_text_atomic(self.root / "latest", final.name)
             self._prune(step)

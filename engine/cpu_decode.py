@@ -42,6 +42,7 @@ CPU_DECODE_OP = OpSpec(
     # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.
     extra_cflags=("-fopenmp", "-ffp-contract=off"),
     extra_ldflags=("-fopenmp",),
+    build_seconds=70.0,
 )
 register_op(CPU_DECODE_OP)
 

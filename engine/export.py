@@ -34,6 +34,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_shard
 from rlhf.engine.lora import adapter_state_dict, has_lora, merge_state_dict, merged_export_tensors
 from rlhf.engine.train_engine import NonFiniteTrainingError, TrainEngine, first_non_finite
+from rlhf.fileio import honour_umask
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -254,6 +255,7 @@ def write_safetensors_in_place(ctx: DistributedContext, tensors: dict[str, torch
 
 def _publish(tmp: Path, directory: Path) -> None:
     """Replace `directory` by the finished `tmp` (rank 0; a crash leaves the old one or the new one)."""
+    honour_umask(tmp)  # safetensors (save_pretrained's writer) makes its files 0600, whatever the umask
     old = directory.with_name(directory.name + ".old")
     if directory.exists():
         shutil.rmtree(old, ignore_errors=True)

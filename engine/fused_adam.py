@@ -43,6 +43,7 @@ register_op(
         # at::parallel_for is inline OpenMP code: without -fopenmp it would run on one thread.
         extra_cflags=("-fopenmp",),
         extra_ldflags=("-fopenmp",),
+        build_seconds=20.0,
     )
 )
 register_op(

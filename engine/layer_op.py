@@ -27,6 +27,7 @@ FUSED_LAYERS_OP = OpSpec(
     # No contraction of a * b + c into FMAs: the elementwise math follows PyTorch's op for op.
     extra_cflags=("-fopenmp", "-ffp-contract=off"),
     extra_ldflags=("-fopenmp",),
+    build_seconds=50.0,
 )
 register_op(FUSED_LAYERS_OP)
 

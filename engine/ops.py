@@ -1,9 +1,13 @@
 """Loaders for the csrc custom ops: JIT-built on first use, cached, self-tested, with a torch fallback.
 
-Each op is registered with an `OpSpec`. `load_op(name)` builds it once per process with
-torch.utils.cpp_extension (ninja) into a cache folder keyed by torch version, and returns the
-extension module; when no compiler (or no GPU for a CUDA op) is available, or the build fails,
-it logs one warning and returns None so the caller takes its PyTorch reference path.
+Each op is registered with an `OpSpec`. `load_op(name)` returns its extension module: the build
+in the op cache that matches its sources, flags and toolchain (engine/op_build.py: the key, the
+folder, the lock), imported without running the compiler, or, on first use on a machine, a build
+made now with torch.utils.cpp_extension (ninja), announced by one log line ("building op X for
+this machine (first use, ~N s)...") and with the compiler's output in the folder's build.log.
+When no compiler (or no GPU for a CUDA op) is available, or the build fails, it logs one warning
+and returns None so the caller takes its PyTorch reference path. `rlhf report --build` builds
+every op ahead of time (`prepare_ops`).
 
 A build that loads is not trusted yet: the first time a build is loaded for a device, its
 self-test (engine/op_selftests.py) runs it against its PyTorch reference on small inputs. A
@@ -29,11 +33,22 @@ from types import ModuleType
 
 import torch
 
+from rlhf.engine.op_build import (
+    CSRC_DIR,
+    LockTimeout,
+    build_lock,
+    cached_build,
+    compile_op,
+    cuda_archs,
+    expected_seconds,
+    toolchain_folder,
+)
+from rlhf.engine.op_build import build_folder as _build_folder
+from rlhf.fileio import replace_file
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,9 @@ class OpSpec:
     extra_cflags: tuple[str, ...] = ()
     extra_cuda_cflags: tuple[str, ...] = ()
     extra_ldflags: tuple[str, ...] = ()
+    build_seconds: float = 60.0
+    """About how long a first build takes (two cores); the first-use log line says so until this
+    machine has built the op once and the measured time replaces it."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +89,26 @@ class _OpState:
     error: str | None = None
     verdict: SelfTestVerdict | None = None
     """This process's verdict (run now or read from the cache); None when not checked."""
+    built_seconds: float | None = None
+    """How long this process spent compiling the op; None when it found the build in the cache."""
+    folder: Path | None = None
+    """The op's build folder (None when it was not looked for)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _OPS: dict[str, _OpState] = {}
+
+
+OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode", "rlhf.engine.layer_op")
+"""The modules that register csrc ops when imported."""
+
+
+def import_op_modules() -> None:
+    """Import every module of OP_MODULES, so that every op is registered."""
+    import importlib
+
+    for module in OP_MODULES:
+        importlib.import_module(module)
 
 
 def register_op(spec: OpSpec) -> None:
@@ -84,21 +118,29 @@ def register_op(spec: OpSpec) -> None:
 
 
 def build_directory(name: str) -> Path:
-    """Cache folder of one op, keyed by torch version and CUDA version."""
-    root = Path(os.environ.get("RLHF_OPS_CACHE", Path.home() / ".cache" / "rlhf" / "ops"))
-    cuda = torch.version.cuda or "cpu"
-    path = root / f"torch{torch.__version__.replace('+', '_')}-cu{cuda}" / name
+    """The cache folder of op `name` for the current sources, flags and toolchain
+    (engine/op_build.py); another name gets a plain folder of the cache (for a test's own build)."""
+    if name in _OPS:
+        return _build_folder(_OPS[name].spec)
+    path = toolchain_folder() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def _unavailable_reason(spec: OpSpec) -> str | None:
+def _ahead_of_time_cuda() -> bool:
+    """A CUDA op may be built here without a GPU (for an image that runs on one): TORCH_CUDA_ARCH_LIST
+    says for which GPUs, and the torch build has CUDA."""
+    return bool(os.environ.get("TORCH_CUDA_ARCH_LIST")) and torch.version.cuda is not None
+
+
+def unavailable_reason(spec: OpSpec, ahead_of_time: bool = False) -> str | None:
+    """Why `spec` cannot be built here (no compiler, no GPU, ops turned off), or None."""
     if os.environ.get("RLHF_DISABLE_OPS") == "1":
         return "RLHF_DISABLE_OPS=1"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     if spec.needs_cuda:
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and not (ahead_of_time and _ahead_of_time_cuda()):
             return "no CUDA device"
         from torch.utils.cpp_extension import CUDA_HOME
 
@@ -107,36 +149,57 @@ def _unavailable_reason(spec: OpSpec) -> str | None:
     return None
 
 
-def load_op(name: str) -> ModuleType | None:
-    """The built extension module for op `name`, or None (with one warning) if it cannot be built."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def _obtain_build(state: _OpState) -> ModuleType:
+    """The op's build from the cache, or built now (under the folder's lock, announced once)."""
+    spec = state.spec
+    folder = state.folder = _build_folder(spec)
+    module = cached_build(folder)
+    if module is not None:
+        return module
+    with build_lock(folder, spec.name):
+        module = cached_build(folder)  # another process may have built it while this one waited
+        if module is not None:
+            return module
+        log.info("building op %s for this machine (first use, ~%.0f s)...", spec.name, expected_seconds(spec))
+        start = time.perf_counter()
+        module = compile_op(spec, folder)
+        state.built_seconds = time.perf_counter() - start
+        log.debug("op %s: built in %.1f s in %s", spec.name, state.built_seconds, folder)
+        return module
+
+
+def load_op(name: str, ahead_of_time: bool = False) -> ModuleType | None:
+    """The built extension module for op `name`, or None (with one warning) if it cannot be built.
+    `ahead_of_time`: `rlhf report --build`, where a CUDA op may build without a GPU (see
+    `_ahead_of_time_cuda`; its self-test waits for a process on the GPU)."""
     state = _OPS[name]
     with state.lock:
         if state.tried:
             return state.module
         state.tried = True
         spec = state.spec
-        reason = _unavailable_reason(spec)
+        reason = unavailable_reason(spec, ahead_of_time)
         if reason is not None:
             state.error = reason
             log.warning("op %s not built (%s); using the PyTorch reference path", name, reason)
             return None
-        from torch.utils.cpp_extension import load
-
-        log.info("op %s: building or loading from %s (a first build takes a while)", name, build_directory(spec.name))
         try:
-            state.module = load(
-                name=spec.name,
-                sources=[str(CSRC_DIR / s) for s in spec.sources],
-                extra_cflags=["-O3", *spec.extra_cflags],
-                extra_cuda_cflags=["-O3", *spec.extra_cuda_cflags],
-                extra_ldflags=list(spec.extra_ldflags),
-                build_directory=str(build_directory(spec.name)),
-                verbose=False,
-            )
+            state.module = _obtain_build(state)
+        except LockTimeout as exc:
+            state.error = str(exc)
+            log.warning("op %s not built (%s); using the PyTorch reference path", name, exc)
+            return None
         except Exception as exc:  # a build failure must not stop training: fall back loudly
-            state.error = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+            state.error = f"build failed: {_first_line(exc)}"
             log.warning("op %s not built (%s); using the PyTorch reference path", name, state.error)
             return None
+        if spec.needs_cuda and not torch.cuda.is_available():
+            return state.module  # built ahead of time: tested where it first runs on a GPU
         _check_build(state)
         return state.module
 
@@ -187,7 +250,8 @@ def build_hash(module: ModuleType) -> str:
 
 def verdict_file(name: str) -> Path:
     """Where an op's self-test verdicts are cached: beside its build."""
-    return build_directory(name) / "selftest.json"
+    folder = _OPS[name].folder if name in _OPS else None
+    return (folder or build_directory(name)) / "selftest.json"
 
 
 def cached_verdicts(name: str) -> list[SelfTestVerdict]:
@@ -207,7 +271,7 @@ def _store_verdict(name: str, verdict: SelfTestVerdict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         tmp.write_text(json.dumps(rows, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     except OSError as exc:  # a read-only cache only costs the next process a re-test
         log.info("op %s: could not cache its self-test verdict in %s (%s)", name, path, exc)
 
@@ -242,8 +306,8 @@ def _check_build(state: _OpState) -> None:
     verdict = cached[0] if cached else run_self_test(spec.name, module, device)
     if not cached:
         _store_verdict(spec.name, verdict)
-        log.info("op %s: self-test on %s %s in %.3f s (%s)", spec.name, key, "passed" if verdict.passed else "FAILED",
-                 verdict.seconds, verdict.detail)
+        log.debug("op %s: self-test on %s %s in %.3f s (%s)", spec.name, key, "passed" if verdict.passed else "FAILED",
+                  verdict.seconds, verdict.detail)
     state.verdict = verdict
     if not verdict.passed:
         state.module = None
@@ -254,7 +318,8 @@ def _check_build(state: _OpState) -> None:
 
 def op_report() -> list[dict[str, object]]:
     """One row per registered op: name, whether it needs CUDA, whether built (and passed its
-    self-test), why not, this process's verdict and every device's cached verdict."""
+    self-test), why not, this process's verdict, every device's cached verdict, the seconds this
+    process spent building it (None: found in the cache) and its build folder."""
     return [
         {
             "name": s.spec.name,
@@ -264,6 +329,8 @@ def op_report() -> list[dict[str, object]]:
             "error": s.error,
             "verdict": s.verdict,
             "cached_verdicts": cached_verdicts(s.spec.name),
+            "built_seconds": s.built_seconds,
+            "folder": s.folder,
         }
         for s in _OPS.values()
     ]

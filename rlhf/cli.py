@@ -148,7 +148,20 @@ class FiniteFloat(click.FloatRange):
         return number
 
 
+def package_version() -> str:
+    """The installed rlhf's version (its metadata), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlhf")
+    except PackageNotFoundError:
+        from rlhf import __version__
+
+        return __version__
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_version(), "--version", "-V", prog_name="rlhf", message="%(prog)s %(version)s")
 def cli() -> None:
     """rlhf: SFT, reward-model training and PPO on one hybrid FSDP2 engine.
 
@@ -239,10 +252,16 @@ def _register_stages() -> None:
         chat(model_dir, prompt, max_new_tokens, temperature, top_p, seed)
 
     @cli.command("report")
-    def report_command() -> None:
+    @click.option("--build", is_flag=True, help="First build every csrc op for this machine (into the op cache; "
+                  "for a container image), one line per op; exit code 1 if one fails.")
+    def report_command(build: bool) -> None:
         """Versions and which csrc ops are built (like DeepSpeed's ds_report)."""
-        from rlhf.report import print_report
+        from rlhf.report import build_ops, print_report
 
+        if build and not build_ops():
+            click.echo("error: an op failed to build or failed its self-test (see above); it would run its "
+                       "PyTorch reference", err=True)
+            sys.exit(1)
         print_report()
 
 

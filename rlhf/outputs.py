@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import yaml
 
 from rlhf.config import leaf_fields, save_config, to_dict
 from rlhf.errors import UserError
+from rlhf.fileio import replace_file
 
 DONE = "DONE"
 
@@ -74,13 +74,13 @@ def strict_json(data: Any, indent: int | None = None) -> str:
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(strict_json(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_file(tmp, path)
 
 
 def write_config(output: Path, config: Any) -> None:
     tmp = output / "config.yaml.tmp"
     save_config(config, tmp)
-    os.replace(tmp, output / "config.yaml")
+    replace_file(tmp, output / "config.yaml")
 
 
 # The fields `--resume` may change. Every other field must equal the run's config.yaml, since a
@@ -159,7 +159,7 @@ def read_summary(output: str | Path) -> dict[str, Any]:
 def mark_done(output: Path) -> None:
     tmp = output / f"{DONE}.tmp"
     tmp.write_text("ok\n")
-    os.replace(tmp, output / DONE)
+    replace_file(tmp, output / DONE)
 
 
 def unmark_done(output: Path) -> None:

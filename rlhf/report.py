@@ -1,17 +1,17 @@
 """`rlhf report`: environment versions, the build state of every csrc op and its self-test
-verdict on every device it has been loaded on (engine/ops.py)."""
+verdict on every device it has been loaded on (engine/ops.py).
+
+`rlhf report --build` first builds every op for this machine (into the op cache, for a container
+image or before a job), one progress line per op, and exits non-zero when one fails.
+"""
 
 from __future__ import annotations
 
-import importlib
 import platform
 import shutil
 
 import click
 import torch
-
-# Modules that register csrc ops when imported.
-_OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode", "rlhf.engine.fused_layers")
 
 
 def cpu_matmul_line() -> str:
@@ -27,7 +27,7 @@ def cpu_matmul_line() -> str:
 def print_report() -> None:
     import transformers
 
-    from rlhf.engine.ops import load_op, op_report
+    from rlhf.engine.ops import import_op_modules, load_op, op_report
 
     click.echo(f"python        {platform.python_version()}")
     click.echo(f"torch         {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
@@ -36,11 +36,7 @@ def print_report() -> None:
     click.echo(f"nvcc          {shutil.which('nvcc') or 'not found'}")
     click.echo(f"c++ compiler  {shutil.which('c++') or 'not found'}")
     click.echo(f"cpu matmul    {cpu_matmul_line()}")
-    for name in _OP_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            continue
+    import_op_modules()
     click.echo("ops:")
     for row in op_report():
         load_op(str(row["name"]))
@@ -58,3 +54,39 @@ def print_report() -> None:
             outcome = "passed" if verdict.passed else "FAILED"
             click.echo(f"      self-test {outcome} on {verdict.device} (build {verdict.build}, {verdict.seconds:.3f} s): "
                        f"{verdict.detail}")
+
+
+def build_ops() -> bool:
+    """Build (or find in the cache) every op for this machine, one line each as it goes; False when
+    one failed to build or failed its self-test. A CUDA op with no GPU here is skipped, unless
+    TORCH_CUDA_ARCH_LIST names the GPUs to build it for (its self-test then waits for its first
+    run on one)."""
+    from rlhf.engine.op_build import cuda_archs
+    from rlhf.engine.ops import import_op_modules, load_op, op_report, registered_ops, unavailable_reason
+
+    import_op_modules()
+    specs = registered_ops()
+    ok = True
+    for i, spec in enumerate(specs, 1):
+        prefix = f"[{i}/{len(specs)}] {spec.name:<28}"
+        reason = unavailable_reason(spec, ahead_of_time=True)
+        if reason is not None:
+            skip = spec.needs_cuda and reason == "no CUDA device"
+            ok = ok and skip
+            hint = "; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) to build it for a GPU" if skip else ""
+            click.echo(f"{prefix} {'skipped' if skip else 'FAILED'} ({reason}{hint})")
+            continue
+        click.echo(f"{prefix} building or loading...")
+        load_op(spec.name, ahead_of_time=True)
+        row = next(r for r in op_report() if r["name"] == spec.name)
+        how = "found in the cache" if row["built_seconds"] is None else f"built in {row['built_seconds']:.1f} s"
+        if not row["built"]:
+            ok = False
+            click.echo(f"{prefix} FAILED ({row['error']})")
+        elif row["verdict"] is not None:
+            click.echo(f"{prefix} {how}, self-test passed ({row['folder']})")
+        elif spec.needs_cuda and not torch.cuda.is_available():
+            click.echo(f"{prefix} {how} for CUDA archs {cuda_archs()}, self-test on first use on a GPU ({row['folder']})")
+        else:
+            click.echo(f"{prefix} {how}, self-test skipped (RLHF_OPS_SELFTEST=0) ({row['folder']})")
+    return ok

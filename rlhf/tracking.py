@@ -11,6 +11,7 @@ from typing import Any
 
 from rlhf.config import TrackingConfig
 from rlhf.errors import UserError, import_dependency
+from rlhf.fileio import replace_file
 from rlhf.logging import get_logger
 from rlhf.outputs import strict_json
 
@@ -71,7 +72,7 @@ class MetricsFile:
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(f"{k}\n" for k in kept))
-        os.replace(tmp, self.path)
+        replace_file(tmp, self.path)
         return dropped
 
     def write(self, row: dict[str, Any]) -> None:

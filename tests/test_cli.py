@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,8 @@ def test_chat_answers_one_shot_and_interactively(tiny_model_dirs, capsys):
     # each reply follows the "you> " prompt on the same line
     replies = [line.split("model> ", 1)[1] for line in result.stdout.splitlines() if "model> " in line]
     assert len(replies) == 2 and replies[0] == one_shot
+    # The ops were built by the call above: a later process loads them without a word.
+    assert "rlhf.engine" not in result.stderr and "ninja" not in result.stderr, result.stderr[-2000:]
 
 
 def test_chat_scores_with_a_reward_model(tiny_model_dirs, tmp_path, capsys):
@@ -44,6 +47,32 @@ def test_report_lists_the_ops(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "fused_adam_cpu" in out and "rlhf_decode_attention" in out
     assert "cpu matmul    --cpu-matmul auto: " in out  # which library float32 CPU linears take here, and why
+
+
+def test_report_build_prints_a_line_per_op_and_fails_when_one_cannot_build(capsys):
+    from rlhf.engine.ops import registered_ops
+
+    main(["report", "--build"])  # the CPU ops are in the cache by now (or built here, once)
+    out = capsys.readouterr().out
+    count = len(registered_ops())
+    for spec in registered_ops():
+        line = next(li for li in out.splitlines() if li.startswith("[") and f"] {spec.name} " in li and "..." not in li)
+        assert ("skipped (no CUDA device" in line) if spec.needs_cuda else ("self-test passed" in line), line
+    assert f"[{count}/{count}]" in out
+    result = subprocess.run([sys.executable, "-m", "rlhf", "report", "--build"], capture_output=True, text=True,
+                            cwd=REPO, timeout=120, env={**os.environ, "RLHF_DISABLE_OPS": "1"})
+    assert result.returncode == 1
+    assert "fused_adam_cpu               FAILED (RLHF_DISABLE_OPS=1)" in result.stdout
+    assert "error: an op failed to build" in result.stderr
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    main(["--version"])
+    assert capsys.readouterr().out.strip() == f"rlhf {version('rlhf')}"
+    result = subprocess.run([sys.executable, "-m", "rlhf", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"rlhf {version('rlhf')}"
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "e2e"])

@@ -126,7 +126,7 @@ def fresh_adam_op(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.delenv("RLHF_DISABLE_OPS", raising=False)
     monkeypatch.delenv("RLHF_OPS_SELFTEST", raising=False)
     monkeypatch.setitem(ops._OPS, CPU_OP, ops._OpState(ops._OPS[CPU_OP].spec))
-    if ops._unavailable_reason(ops._OPS[CPU_OP].spec) is not None:
+    if ops.unavailable_reason(ops._OPS[CPU_OP].spec) is not None:
         pytest.skip("no C++ compiler: the loader never reaches a build")
     return tmp_path
 

@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlhf.errors import UserError
+from rlhf.fileio import honour_umask
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -235,6 +236,7 @@ def convert_gguf(gguf: Path, output: Path, max_new_tokens: int = 24) -> Conversi
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written or unchecked model behind
         raise
+    honour_umask(partial)  # safetensors writes model.safetensors 0600, whatever the umask
     if output.exists():
         output.rmdir()
     partial.rename(output)

@@ -26,6 +26,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from rlhf.fileio import honour_umask
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 
@@ -168,4 +170,5 @@ def save_tiny_model(
     model = build_tiny_model(family, tokenizer, seed=seed, **config_kwargs)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    honour_umask(directory)  # safetensors writes model.safetensors 0600
     return directory

@@ -461,6 +461,17 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:  # a bad flag: one line too, naming the flag
         ctx = getattr(exc, "ctx", None)
         hint = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        if isinstance(exc, click.NoSuchOption):
+            from rlhf.trl_config import flag_for_trl_key
+
+            ours = flag_for_trl_key(exc.option_name)
+            if ours == "--trl-config":
+                exc.possibilities = []
+                hint = f"; it is a TRL config key: pass your TRL config file with --trl-config{hint}"
+            elif ours:
+                exc.possibilities = []
+                key = exc.option_name.lstrip("-").replace("-", "_")
+                hint = f"; TRL's {key} is {ours} here (or pass a TRL config with --trl-config)"
         click.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:

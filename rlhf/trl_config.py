@@ -355,3 +355,23 @@ def deepspeed_config_path(flag: str | None, trl: TrlImport | None) -> str | None
         raise UserError(f"--deepspeed-config {flag} and {trl.path}: deepspeed: {from_file} both name a DeepSpeed "
                         "config; keep one")
     return flag or from_file
+
+
+# TRL keys read jointly whose main field a user typing TRL's flag means.
+_JOINT_FLAG = {"num_generations": "samples_per_prompt", "per_device_train_batch_size": "micro_batch_size",
+               "gradient_accumulation_steps": "grad_accum", "num_iterations": "ppo_epochs",
+               "loss_type": "loss_aggregation", "scale_rewards": "advantage_estimator"}
+
+
+def flag_for_trl_key(option: str) -> str | None:
+    """`--num_generations` / `--num-generations` (TRL's spelling) -> "--samples-per-prompt", the
+    flag that carries its meaning here; None when `option` is not a TRL key."""
+    key = option.lstrip("-").replace("-", "_")
+    rules = TRL_KEYS.get(key)
+    if rules is None:
+        return None
+    first = rules[0] if isinstance(rules, tuple) else rules
+    name = _JOINT_FLAG.get(key) if not isinstance(first, To) else (
+        first.field if isinstance(first.field, str) else next(iter(first.field.values())))
+    return "--" + name.replace("_", "-") if name else "--trl-config"
+

@@ -428,3 +428,19 @@ def test_grpo_run_from_a_grpo_config_file(tiny_model_dirs, tmp_path, log_records
     assert summary["iterations"] == 1 and summary["samples_per_prompt"] == 4
     warnings = [r.getMessage() for r in log_records if r.levelno == logging.WARNING and "grpo.yaml" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].endswith("use_vllm, push_to_hub, dataloader_num_workers")
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--num_generations", "TRL's num_generations is --samples-per-prompt here"),
+    ("--num-generations", "TRL's num_generations is --samples-per-prompt here"),
+    ("--learning_rate", "TRL's learning_rate is --lr here"),
+    ("--packing", "it is a TRL config key: pass your TRL config file with --trl-config"),
+])
+def test_a_trl_flag_names_the_flag_that_means_it(flag: str, says: str, capsys: pytest.CaptureFixture) -> None:
+    from rlhf.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ppo", flag, "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "--generation-batch-size" not in err, err

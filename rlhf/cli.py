@@ -1,6 +1,6 @@
 """`rlhf` command line: one subcommand per stage, flags generated from the typed configs.
 
-Every config field is a flag (its docstring is the help). Precedence, lowest first: defaults <
+Every config field is a flag (its docstring's first paragraph is the help; docs/config.md has all). Precedence, lowest first: defaults <
 --deepspeed-config < --trl-config < --config file < flags given on the command line, applied by
 `rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
 click's own included, is one `error:` line and exit code 2 (`main`: a bad flag, file, model folder or
@@ -308,10 +308,12 @@ def _data_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @data_group.command("inspect")
-@click.option("--stage", type=click.Choice(["sft", "reward", "ppo"]), required=True, help="The stage whose view to show.")
+@click.option("--stage", type=click.Choice(["sft", "reward", "ppo"]), required=True,
+              help="The stage whose view to show.")
 @click.option("--model", "model", required=True, help="The model whose tokenizer renders the rows (ppo: the actor).")
 @click.option("--rows", "rows", type=click.IntRange(min=0), default=3, show_default=True, help="Rows to show.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per row (the rendered text pieces), then the counts.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per row (the rendered text pieces), then the counts.")
 @click.option("--max-prompt-len", "max_prompt_len", type=click.IntRange(min=1), default=256, show_default=True,
               help="ppo: prompts longer than this many tokens are dropped.")
 @click.option("--seed", "seed", type=click.IntRange(min=0), default=0, show_default=True,

@@ -98,7 +98,8 @@ def format_plain(result: Inspection) -> str:
     for r in result.rows:
         facts = [r["type"] + (", conversational" if r["conversational"] else "")]
         if "tokens" in r:
-            facts.append(f"{r['tokens']} tokens, {r['trained_tokens']} trained" + (", truncated" if r["truncated"] else ""))
+            cut = ", truncated" if r["truncated"] else ""
+            facts.append(f"{r['tokens']} tokens, {r['trained_tokens']} trained{cut}")
         if "prompt_tokens" in r:
             facts.append(f"prompt {r['prompt_tokens']} tokens")
         if not r["kept"]:

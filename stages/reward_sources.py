@@ -40,6 +40,7 @@ import torch
 from rlhf.config import PPOConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
+from rlhf.data.formats import parse_tools
 from rlhf.data.retokenize import retokenize_for_reward, same_vocabulary
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
@@ -95,7 +96,9 @@ class RewardModelSource:
               shared_prefix: int = 0) -> torch.Tensor:
         if self.tokenizer is None:  # packed, a group's prompt runs once
             return self.model.scores(sequences, attention_mask, self.pack_budget, shared_prefix)
-        ids, mask, truncated = retokenize_for_reward(batch.prompts, batch.responses, self.tokenizer, self.max_len)
+        tools = [parse_tools(row.get("tools"), "a rollout's data row") for row in batch.fields or []]
+        ids, mask, truncated = retokenize_for_reward(batch.prompts, batch.responses, self.tokenizer, self.max_len,
+                                                     tools or None)
         self.truncated += truncated
         return self.model.scores(ids.to(sequences.device), mask.to(sequences.device), self.pack_budget)
 

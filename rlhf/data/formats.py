@@ -254,7 +254,7 @@ def _turns(value: Any, where: str, field_name: str) -> list[Message]:
                     f"(got {_short(value)})")
 
 
-def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+def parse_tools(value: Any, where: str) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -306,7 +306,7 @@ def parse_row(row: RawRow) -> ParsedRow:
     Every column but prompt and completion is kept in `fields` (for reward functions)."""
     d, where = row.data, row.where
     fields = {k: v for k, v in d.items() if k not in NOT_PASSED_ON}
-    tools = _tools(d.get("tools"), where)
+    tools = parse_tools(d.get("tools"), where)
     margin = d.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
         raise UserError(f"{where}: field 'margin' must be a number")
@@ -367,4 +367,4 @@ def _short(value: Any) -> str:
 
 
 __all__ = ["Message", "ParsedRow", "RowKind", "STAGE_KINDS", "is_dialog", "last_assistant_content", "parse_dialog",
-           "parse_row", "require_kind"]
+           "parse_row", "parse_tools", "require_kind"]

@@ -60,7 +60,8 @@ def render_messages(messages: list[Message], tokenizer: Any, tools: list[dict[st
                                              add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja2's TemplateError, or what a template raises itself
         raise UserError(f"{where}: the chat template cannot render this row ({type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:200]}); fix the row or pass --chat-template FILE.jinja") from None
+                        f"{' '.join(str(exc).split())[:200]}); fix the row or pass --chat-template FILE.jinja"
+                        ) from None
 
 
 def check_tools_rendered(text: str, messages: list[Message], tools: list[dict[str, Any]] | None, where: str) -> None:

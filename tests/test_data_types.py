@@ -222,3 +222,20 @@ def test_rollout_check_uses_the_longest_prompt_not_the_cap(tmp_path):
     assert refused.returncode == 2 and "exceed the model's max_position_embeddings 64" in refused.stderr
     longest = int(re.search(r"prompt (\d+) \+ max_new_tokens 60", refused.stderr).group(1))
     assert 10 < longest < 64  # the longest prompt's length, not 256
+
+
+def test_a_retokenizing_reward_model_renders_the_rows_tools_as_its_pairs_had(chatml_model):
+    from rlhf.data.formats import parse_row
+    from rlhf.data.retokenize import retokenize_for_reward
+    from rlhf.data.sources import RawRow
+    from rlhf.data.tokenization import tokenize_pairs
+    from rlhf.models.loading import load_tokenizer
+
+    tok = load_tokenizer(str(chatml_model))
+    prompt = [{"role": "user", "content": "Weather in Paris?"}]
+    pair = parse_row(RawRow({"prompt": prompt, "chosen": "22C", "rejected": "no idea", "tools": [WEATHER_TOOL]},
+                            "t", 0))
+    (trained,), _ = tokenize_pairs([pair], tok, 512)
+    ids, mask, _ = retokenize_for_reward([prompt], ["22C"], tok, 512, tools=[pair.tools])
+    assert ids[0][mask[0].bool()].tolist() == trained["chosen_ids"]
+    assert "get_weather" in tok.decode(trained["chosen_ids"])

@@ -259,10 +259,22 @@ def _output_to(log_file: Path) -> Iterator[None]:
                 os.close(fd)
 
 
+def _build_failure(log_file: Path, error: str) -> str:
+    """One line for a failed build: the first compiler error (else the error's last line) and
+    where the whole output is (torch puts the compiler's output into the exception: appended to
+    the log, after what reached the terminal's file descriptors)."""
+    with log_file.open("a") as f:
+        f.write(error + "\n")
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()] or ["unknown error"]
+    first = next((line for line in lines if "error:" in line), next((line for line in lines if "error" in line.lower()),
+                                                                    lines[-1]))
+    return f"{first[:400]} (full output: {log_file})"
+
+
 def compile_op(spec: OpSpec, folder: Path, csrc: Path | None = None) -> ModuleType:
     """Build `spec` in `folder` from a copy of its sources and import it; call under `build_lock`.
     The compiler's output is in folder/build.log (on the terminal with RLHF_DEBUG=1); a failed
-    build raises with the log's last lines."""
+    build raises a RuntimeError of one line: the first compiler error and the log's path."""
     import torch.utils.cpp_extension as cpp_extension
 
     csrc, src = csrc or CSRC_DIR, folder / "src"
@@ -279,10 +291,7 @@ def compile_op(spec: OpSpec, folder: Path, csrc: Path | None = None) -> ModuleTy
             module = cpp_extension.load(name=spec.name, sources=[str(src / s) for s in spec.sources],
                                         build_directory=str(folder), verbose=verbose, **compile_flags(spec))
     except Exception as exc:
-        tail = (folder / "build.log").read_text(errors="replace").strip().splitlines()[-3:] if not verbose else []
-        detail = " | ".join([*(line.strip() for line in tail), str(exc).strip().splitlines()[-1] if str(exc).strip()
-                             else type(exc).__name__])
-        raise RuntimeError(f"{detail[-600:]} (full log: {folder / 'build.log'})") from exc
+        raise RuntimeError(_build_failure(folder / "build.log", str(exc))) from exc
     library = Path(getattr(module, "__file__", "") or "")
     if library.parent == folder and library.is_file():  # a real build (a test may hand in a stand-in)
         manifest = {"library": library.name, "seconds": round(time.perf_counter() - start, 1), "finished": time.time(),

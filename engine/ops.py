@@ -149,7 +149,8 @@ def unavailable_reason(spec: OpSpec, ahead_of_time: bool = False) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException) -> str:
+    """The last line of an exception's message (a build failure's is one line), or its type."""
     text = str(exc).strip()
     return text.splitlines()[-1] if text else type(exc).__name__
 
@@ -195,7 +196,7 @@ def load_op(name: str, ahead_of_time: bool = False) -> ModuleType | None:
             log.warning("op %s not built (%s); using the PyTorch reference path", name, exc)
             return None
         except Exception as exc:  # a build failure must not stop training: fall back loudly
-            state.error = f"build failed: {_first_line(exc)}"
+            state.error = f"build failed: {_one_line(exc)}"
             log.warning("op %s not built (%s); using the PyTorch reference path", name, state.error)
             return None
         if spec.needs_cuda and not torch.cuda.is_available():

@@ -171,3 +171,27 @@ def test_a_lock_timeout_falls_back_with_one_warning(
         assert ops.load_op(TINY.name) is None
     error = ops._OPS[TINY.name].error
     assert "build.lock" in error and "RLHF_OPS_LOCK_TIMEOUT" in error
+
+
+def test_a_failed_build_is_one_warning_and_the_compiler_output_stays_in_the_log(
+    cache: Path, tmp_path: Path, compiler: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    csrc = _sources(tmp_path / "csrc")
+    (csrc / "tiny" / "tiny.h").write_text("#define ANSWER not_a_number\n")
+    monkeypatch.setattr(op_build, "CSRC_DIR", csrc)
+    monkeypatch.setitem(ops._OPS, TINY.name, ops._OpState(TINY))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("rlhf").addHandler(handler)
+    try:
+        assert ops.load_op(TINY.name) is None
+    finally:
+        logging.getLogger("rlhf").removeHandler(handler)
+    (warning,) = [r.getMessage() for r in records]
+    log_file = build_folder(TINY) / "build.log"
+    assert "not_a_number" in warning and "error" in warning and str(log_file) in warning
+    assert "PyTorch reference path" in warning
+    assert "not_a_number" in log_file.read_text()
+    terminal = capfd.readouterr()
+    assert "not_a_number" not in terminal.out + terminal.err and "ninja" not in terminal.out + terminal.err

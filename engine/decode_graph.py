@@ -16,7 +16,7 @@ returned) and captures it; later steps replay the graph. Off CUDA it runs the st
 eagerly every time: the CPU tests check that path against the decoder's own step, and the GPU
 tests check the replay against it.
 
-Opt-in until a GPU session has validated it (RLHF_CUDA_GRAPH_DECODE=1, or
+Opt-in until it is validated on GPUs (RLHF_CUDA_GRAPH_DECODE=1, or
 `FastLlamaDecoder(cuda_graph=True)`); group sampling's `expand` drops the graph (new batch,
 new cache buffers) and the next step captures again.
 """

@@ -4,8 +4,8 @@ weights stay in the last-level cache from one step to the next.
     rows = rows_per_group(batch, weight_bytes, kv_bytes_per_row, last_level_cache_bytes())
     for start, stop in row_groups(batch, rows): ...   # generation.py decodes each range to its end
 
-A decode step reads every weight and each row's whole KV cache once. At the peers' shape (the
-tiny Llama, 32 rows, 64-token prompts, 256 new tokens, float16 cache) that is 12.7 MB of packed
+A decode step reads every weight and each row's whole KV cache once. At the benchmark shape (the
+4-layer tiny Llama of scripts/bench_ppo.py, 32 rows, 64-token prompts, 256 new tokens, float16 cache) that is 12.7 MB of packed
 weights plus 25 MB of cache on the mean step, more than a 32 MB L3 keeps (a victim L3 of a shared
 VM keeps a streamed set of ~16-20 MB), so every step reads both from DRAM. Decoded 8 rows at a
 time, a group's step reads 12.7 + 6.3 MB, which mostly stays in the L3 across its steps: on a

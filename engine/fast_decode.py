@@ -264,8 +264,8 @@ class FastLlamaDecoder:
     `kernels.generation_kernels(False)` turns both "auto" kernels off.
 
     `cuda_graph`: decode steps read static buffers and replay as one CUDA graph per batch size
-    (engine/decode_graph.py; "auto" = on CUDA with RLHF_CUDA_GRAPH_DECODE=1, until a GPU session
-    has validated it; True on the CPU runs that static step eagerly, as the tests do).
+    (engine/decode_graph.py; "auto" = on CUDA with RLHF_CUDA_GRAPH_DECODE=1 while the graphs are
+    opt-in; True on the CPU runs that static step eagerly, as the tests do).
 
     `kv_cache_dtype` "fp16" or "auto" (kv_cache_torch_dtype: a float32 model on the CPU) keeps the
     cache in float16: every write rounds, the fused step's kernels widen what they read, and the

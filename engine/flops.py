@@ -12,7 +12,7 @@ and the head of positions nobody reads are not counted, so a run that computes t
 as a lower fraction of the compute bound. A backward costs twice its forward. As in MFU, every
 real token counts through every layer whatever an implementation leaves out: the fast prefill
 (engine/fast_decode.py) runs only the keys and values of its last layer before the last position
-(~1% of a PPO iteration's count on the peers' 4-layer model), which is counted all the same.
+(~1% of a PPO iteration's count on a 4-layer tiny Llama), which is counted all the same.
 
 Supports the config fields of the Llama, Qwen2, Mistral, OPT and GPT-2 families.
 """

@@ -99,7 +99,7 @@ def compile_decoder_layer(layer: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """What a ZeRO stage means under FSDP2 (DESIGN.md's mapping), for a trained or a frozen model.
+    """What a ZeRO stage means under FSDP2, for a trained or a frozen model.
 
     Trained models:
         3    -> shard params, grads and optimizer state; reshard params after forward; reduce-scatter

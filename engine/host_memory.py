@@ -19,8 +19,8 @@ everything as it is.
 training phase, whose time and peak memory it counts in), faults in at once
 the heap pages reserved but never touched: the whole heap the first time, then what it grew by
 since (Linux 5.14+'s MADV_POPULATE_WRITE). The heap reaches about its size in the first step, but
-later steps land their tensors on pages of it the first did not touch: on the peers' tiny Llama
-at 256 new tokens, PPO iterations 2-5 took 4-15 thousand page faults each (10-100 ms of a 2 s
+later steps land their tensors on pages of it the first did not touch: on the 4-layer tiny Llama
+of scripts/bench_ppo.py at 256 new tokens, PPO iterations 2-5 took 4-15 thousand page faults each (10-100 ms of a 2 s
 iteration in the kernel, one trap per 4 KiB page) and none after; populated, iteration 2 on
 takes none, for one 70 ms call after the first (~4 us a page against ~13 us a trap) and ~70 MB
 more resident at once. A heap that grows later costs one more trap per page only in the step

@@ -1,4 +1,4 @@
-"""The output contract of every stage (DESIGN.md):
+"""The output contract of every stage:
 
     <output>/model/  config.yaml  metrics.jsonl  summary.json  checkpoints/  DONE
 

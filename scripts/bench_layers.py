@@ -1,7 +1,7 @@
 """Forward + backward of a Llama-family model with the fused layer ops (engine/fused_layers.py) against
 Hugging Face's eager modules, in the same run on the same weights and tokens.
 
-    python scripts/bench_layers.py                        # the peer's tiny Llama shape: 4 layers, hidden 256,
+    python scripts/bench_layers.py                        # the TRL comparison's tiny Llama: 4 layers, hidden 256,
                                                           # 8 heads, MLP 688; batch 32 x 128 tokens, float32
     python scripts/bench_layers.py --family qwen2 --batch 8 --seq 512
     python scripts/bench_layers.py --model runs/smollm2/base --batch 4 --seq 256     # a real model folder

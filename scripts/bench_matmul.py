@@ -1,7 +1,7 @@
 """Float32 linears on the CPU: torch's matmul (MKL) against oneDNN (engine/cpu_matmul.py), in the same
 run at a model's linear shapes, per GEMM of a training step, and a whole model's forward + backward.
 
-    python scripts/bench_matmul.py                     # the peer's tiny Llama: hidden 256, MLP 688, vocab 98,
+    python scripts/bench_matmul.py                     # the comparison's tiny Llama: hidden 256, MLP 688, vocab 98,
                                                        # 4096 rows (a 32 x 128 micro-batch) and 32 (a decode step)
     python scripts/bench_matmul.py --model runs/smollm2/base --rows 1024 32
 

@@ -1,35 +1,38 @@
-"""RL-stage throughput on the peers' shape, with the per-phase split, optionally beside TRL in the same run.
+"""RL-stage throughput on the comparison shape, with the per-phase split, optionally beside TRL in the same run.
 
     python scripts/bench_ppo.py                         # PPO: Llama-family, 4 layers, hidden 256, vocab ~100,
                                                         # batch 32, prompt 64, 64 new tokens, 1 epoch, 1 minibatch
-    python scripts/bench_ppo.py --peer-trl              # + TRL 0.19.1 PPOTrainer (../shared/peers/trl/rate.sh)
-    python scripts/bench_ppo.py --advantage-estimator grpo --peer-trl
+    python scripts/bench_ppo.py --compare-trl --trl-scripts DIR --trl-dir WORK
+                                                        # + TRL 0.19.1 PPOTrainer (DIR/rate.sh)
+    python scripts/bench_ppo.py --advantage-estimator grpo --compare-trl --trl-scripts DIR --trl-dir WORK
                                                         # GRPO, group 4, responses stop at EOS, a Python reward
                                                         # (share of vowels), KL 0.04 in the loss; + TRL GRPOTrainer
 
 Runs `rlhf ppo` for a few iterations and reads its metrics.jsonl; the first iteration (3 with --compile) is warm-up
-and is excluded, so the figures are marginal rates (start-up excluded), measured the way the peer
-scripts measure TRL (time(N2) - time(N1)). With --peer-trl the peer runs in the same invocation,
-after ours, on the same tiny policy (`/tmp/trl-peer/tiny/policy`, built by the peer's setup.sh),
-and the last JSON line holds both figures and their ratios. Without it, ours runs on a tiny model
-built here and no ratio is printed.
+and is excluded, so the figures are marginal rates (start-up excluded), measured the way the TRL
+comparison scripts measure TRL (time(N2) - time(N1)). With --compare-trl the comparison run goes in
+the same invocation, after ours, on the same tiny policy (WORK/tiny/policy, which the comparison's
+setup.sh builds), and the last JSON line holds both figures and their ratios. --trl-scripts
+(or TRL_COMPARE_SCRIPTS) is the folder of those scripts (setup.sh; rate.sh for PPO, rate_grpo.sh
+for the critic-free estimators, each printing TRL's rate as its last JSON line); --trl-dir (or
+TRL_COMPARE_DIR) is where setup.sh wrote its files. Without --compare-trl, ours runs on a tiny
+model built here and no ratio is printed.
 
-PPO: every response is exactly --new-tokens long (min = max), as the peer's PPO. GRPO/RLOO/
+PPO: every response is exactly --new-tokens long (min = max), as in the comparison's PPO. GRPO/RLOO/
 REINFORCE++: responses stop at EOS, so completions/s and generated tokens/s are both reported.
 
 compute_bound_fraction: the iteration's model FLOPs (rlhf ppo's `<phase>_gflop` metrics: real
 tokens only, from the model config, engine/flops.py), each phase's at the matmul rate torch keeps up
 here, now, at that phase's GEMM shapes (`matmul_gflop_per_s`: prefill, decode, forward, training
 forward + backward; each GEMM by the fastest of MKL, oneDNN and, for decode, the fused decode
-step's packed GEMM (rlhf_cpu_decode.panel_linear, ~2x torch at a step's 32 rows: before session 14
-the decode reference was torch's alone, which credited generation with a rate its steps beat),
-all of them over and over for a quarter second, the best of four such windows: a sustained rate,
+step's packed GEMM (rlhf_cpu_decode.panel_linear, ~2x torch at a step's 32 rows; torch's rate alone
+would credit generation with a rate its steps beat), all of them over and over for a quarter second, the best of four such windows: a sustained rate,
 as the iteration's is; measured after each of our runs, each phase's fastest measurement used),
 over the measured iteration time (with --repeats, `repeats.compute_bound_fraction` lists each run
 against the references measured right after it: the spread a shared VM's spells give the figure);
 `phase_fractions` splits it by phase. 1.0 would be a run that does nothing but its necessary matmuls at that rate.
-`compute_bound_fraction_torch_decode` counts the decode steps at torch's rate instead (as sessions
-1-13 did), for comparison with earlier figures.
+`compute_bound_fraction_torch_decode` counts the decode steps at torch's rate instead, for
+comparison with figures measured against that reference.
 `compute_bound_fraction_vs_burst` is the same against each GEMM's fastest single call
 (`matmul_burst_gflop_per_s`), which a shared VM reaches only between its slow moments;
 `burst_ceiling` is what nothing but the GEMMs, at the sustained rate, would score against those;
@@ -40,10 +43,11 @@ measured in the same run over a mean step's working set (`kv_cache_read_s`, `rea
 floor a decode step has besides its matmuls (each step reads its rows' whole cache), so 1.0 - this
 is what is left above both bounds.
 
-    python scripts/bench_ppo.py --peer-trl --repeats 3                    # median of 3 alternated runs each
-    python scripts/bench_ppo.py --peer-trl --compile --iterations 7      # torch.compile'd layers
-    python scripts/bench_ppo.py --advantage-estimator grpo --new-tokens 256 --peer-trl \
+    python scripts/bench_ppo.py --compare-trl --repeats 3                 # median of 3 alternated runs each
+    python scripts/bench_ppo.py --compare-trl --compile --iterations 7   # torch.compile'd layers
+    python scripts/bench_ppo.py --advantage-estimator grpo --new-tokens 256 --compare-trl \
         --max-tokens-per-micro-batch 4096                                # responses of 1-256 tokens
+(these three with TRL_COMPARE_SCRIPTS and TRL_COMPARE_DIR set)
 """
 
 from __future__ import annotations
@@ -62,13 +66,11 @@ from pathlib import Path
 
 import torch
 
-PEER_DIR = Path(os.environ.get("TRL_PEER_DIR", "/tmp/trl-peer"))
 SLOW_SPELL_CEILING = 0.85  # sustained/burst this low: the machine slowed down while the references ran
-PEER_SCRIPTS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "trl"
 
 VOWELS_REWARD = '''
 def vowels(prompt: str, response: str) -> float:
-    """The peer's reward: the share of vowels in the completion."""
+    """The comparison's reward: the share of vowels in the completion."""
     return sum(c in "aeiou" for c in response) / max(1, len(response))
 '''
 
@@ -86,10 +88,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer-impl", default="auto")
     parser.add_argument("--advantage-estimator", default="gae")
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="group size of the critic-free estimators")
-    parser.add_argument("--model", default=None, help="policy folder (default: the peer's tiny policy with "
-                        "--peer-trl, else a tiny Llama built here)")
+    parser.add_argument("--model", default=None, help="policy folder (default: the comparison's tiny policy with "
+                        "--compare-trl, else a tiny Llama built here)")
     parser.add_argument("--zero-stage", default=None, help="the engine's ZeRO stage (default: rlhf ppo's)")
-    parser.add_argument("--peer-trl", action="store_true", help="also run TRL's rate script, in this invocation")
+    parser.add_argument("--compare-trl", action="store_true", help="also run TRL's rate script, in this invocation")
+    parser.add_argument("--peer-trl", dest="compare_trl", action="store_true", help=argparse.SUPPRESS)  # older name
+    parser.add_argument("--trl-scripts", type=Path, default=os.environ.get("TRL_COMPARE_SCRIPTS"),
+                        help="with --compare-trl: the folder of the TRL comparison's setup.sh, rate.sh and "
+                        "rate_grpo.sh (default: $TRL_COMPARE_SCRIPTS)")
+    parser.add_argument("--trl-dir", type=Path, default=os.environ.get("TRL_COMPARE_DIR"),
+                        help="with --compare-trl: where its setup.sh wrote the tiny policy, tiny/policy "
+                        "(default: $TRL_COMPARE_DIR)")
     parser.add_argument("--compile", action="store_true", help="rlhf ppo --compile (torch.compile each decoder layer)")
     parser.add_argument("--warmup", type=int, default=None, help="leading iterations left out of the rates "
                         "(default 1; 2 with --model, where on a 135M model the first two iterations spend seconds in "
@@ -107,25 +116,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-rows-per-group", type=int, default=None,
                         help="rlhf ppo --decode-rows-per-group (default: its automatic choice; the batch size: every "
                         "row together)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of the peer, alternated); the "
+    parser.add_argument("--repeats", type=int, default=1, help="runs of ours (and of TRL's, alternated); the "
                         "figures are each side's median run; every run's rate, and its fraction against the references "
                         "measured right after it, listed under `repeats`")
     args = parser.parse_args()
     if args.repeats < 1 or args.iterations <= (args.warmup or 0):
         parser.error("--repeats must be >= 1 and --iterations above --warmup")
+    if args.compare_trl and not (args.trl_scripts and args.trl_dir):
+        parser.error("--compare-trl needs --trl-scripts DIR and --trl-dir DIR (or TRL_COMPARE_SCRIPTS and "
+                     "TRL_COMPARE_DIR): the TRL comparison's scripts and the folder its setup.sh writes")
     return args
 
 
 def build_models(args: argparse.Namespace, root: Path) -> Path:
-    """The policy: --model, the peer's tiny policy with --peer-trl, else a tiny Llama of the given shape."""
+    """The policy: --model, the comparison's tiny policy with --compare-trl, else a tiny Llama of the given shape."""
     from rlhf.models.tiny import save_tiny_model
 
     if args.model:
         return Path(args.model)
-    if args.peer_trl:
-        policy = PEER_DIR / "tiny" / "policy"
+    if args.compare_trl:
+        policy = args.trl_dir / "tiny" / "policy"
         if not (policy / "config.json").is_file():
-            raise SystemExit(f"--peer-trl: {policy} missing; run: bash {PEER_SCRIPTS}/setup.sh")
+            raise SystemExit(f"--compare-trl: {policy} missing; run: bash {args.trl_scripts}/setup.sh")
         return policy
     heads = max(4, args.hidden // 64)
     return save_tiny_model(root / "actor", "llama", hidden_size=args.hidden, num_layers=args.layers,
@@ -147,8 +159,8 @@ def write_prompts(tokenizer: object, path: Path, count: int, prompt_len: int) ->
 
 
 def reward_args(args: argparse.Namespace, actor: Path, root: Path) -> list[str]:
-    """PPO: a value model made from the policy (the peer's rm/ starts from the same weights).
-    Critic-free: the peer's Python reward function."""
+    """PPO: a value model made from the policy (the comparison's rm/ starts from the same weights).
+    Critic-free: the comparison's Python reward function."""
     if args.advantage_estimator == "gae":
         from rlhf.models.loading import load_tokenizer
         from rlhf.models.value_model import ValueModel
@@ -324,7 +336,7 @@ def compute_bound(ours: dict, rates: dict[str, dict[str, float]]) -> dict:
     torch_decode = ideal_seconds(ours, {**rates["sustained"], "decode": rates["sustained"]["decode_torch"]})
     return {
         "compute_bound_fraction": round(sum(ideal.values()) / measured, 3),
-        # As sessions 1-13 measured it: the decode steps at torch's rate, which the packed steps beat.
+        # The decode steps at torch's rate, which the packed steps beat: the older, looser reference.
         "compute_bound_fraction_torch_decode": round(sum(torch_decode.values()) / measured, 3),
         "phase_fractions": {k.removesuffix("_s"): round(v / ours[k], 3) if ours[k] else None for k, v in ideal.items()},
         "compute_bound_fraction_vs_burst": round(sum(burst.values()) / measured, 3),
@@ -369,9 +381,9 @@ def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_frac
             "compute_bound_fraction_with_kv_reads": round(ideal_fraction + seconds / measured, 3)}
 
 
-def run_peer(args: argparse.Namespace) -> dict:
-    """TRL's marginal rate from the peer's own script (PPO: rate.sh, else rate_grpo.sh)."""
-    script = PEER_SCRIPTS / ("rate.sh" if args.advantage_estimator == "gae" else "rate_grpo.sh")
+def run_trl(args: argparse.Namespace) -> dict:
+    """TRL's marginal rate from the comparison's own script (PPO: rate.sh, else rate_grpo.sh)."""
+    script = args.trl_scripts / ("rate.sh" if args.advantage_estimator == "gae" else "rate_grpo.sh")
     env = {**os.environ, "GEN": str(args.new_tokens), "GROUP": str(args.samples_per_prompt)}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -393,17 +405,17 @@ def main() -> None:
 
 
 def bench(args: argparse.Namespace, workdirs: list[str]) -> None:
-    """The repeats, alternated with the peer's; prints the JSON line. `workdirs` gets each run's folder."""
+    """The repeats, alternated with TRL's; prints the JSON line. `workdirs` gets each run's folder."""
     prompts_per_iteration = args.batch // (args.samples_per_prompt if args.advantage_estimator != "gae" else 1)
-    ours_runs, peer_runs, rates = [], [], []
+    ours_runs, trl_runs, rates = [], [], []
     for _ in range(args.repeats):  # alternated, so a slow spell of the machine hits both sides alike
         ours_runs.append(run_ours(args))
         workdirs.append(ours_runs[-1].pop("workdir"))
         # The matmul references after each of our runs, each phase's fastest the one used: a slow
         # spell during one measurement must not lower a reference (and raise the fraction).
         rates.append(matmul_rates(Path(ours_runs[-1]["model"]), args, prompts_per_iteration))
-        if args.peer_trl:
-            peer_runs.append(run_peer(args))
+        if args.compare_trl:
+            trl_runs.append(run_trl(args))
     ours = median_run(ours_runs, "completions_per_s")
     bound = compute_bound(ours, {kind: {phase: max(r[kind][phase] for r in rates) for phase in rates[0][kind]}
                                  for kind in rates[0]})
@@ -424,15 +436,15 @@ def bench(args: argparse.Namespace, workdirs: list[str]) -> None:
         result["repeats"] = {"completions_per_s": [r["completions_per_s"] for r in ours_runs],
                              "compute_bound_fraction": [compute_bound(run, rate)["compute_bound_fraction"]
                                                         for run, rate in zip(ours_runs, rates)],
-                             "peer": [r.get("samples_per_s", r.get("completions_per_s")) for r in peer_runs]}
-    if args.peer_trl:
-        peer = median_run(peer_runs, "samples_per_s" if args.advantage_estimator == "gae" else "completions_per_s")
-        result["peer"] = peer
+                             "trl": [r.get("samples_per_s", r.get("completions_per_s")) for r in trl_runs]}
+    if args.compare_trl:
+        trl = median_run(trl_runs, "samples_per_s" if args.advantage_estimator == "gae" else "completions_per_s")
+        result["trl"] = trl
         if args.advantage_estimator == "gae":
-            result["ratio_samples_per_s"] = round(ours["completions_per_s"] / peer["samples_per_s"], 2)
+            result["ratio_samples_per_s"] = round(ours["completions_per_s"] / trl["samples_per_s"], 2)
         else:
-            result["ratio_completions_per_s"] = round(ours["completions_per_s"] / peer["completions_per_s"], 2)
-            result["ratio_tokens_per_s"] = round(ours["tokens_per_s"] / peer["tokens_per_s"], 2)
+            result["ratio_completions_per_s"] = round(ours["completions_per_s"] / trl["completions_per_s"], 2)
+            result["ratio_tokens_per_s"] = round(ours["tokens_per_s"] / trl["tokens_per_s"], 2)
     print(json.dumps(result))
 
 

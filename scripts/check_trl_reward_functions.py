@@ -1,7 +1,7 @@
 """Run one reward-function file in TRL's GRPOTrainer and in `rlhf ppo --advantage-estimator grpo`.
 
     python scripts/check_trl_reward_functions.py                    # trl importable in this python
-    python scripts/check_trl_reward_functions.py --trl-python /tmp/trl1-peer/venv/bin/python
+    python scripts/check_trl_reward_functions.py --trl-python /path/to/trl-venv/bin/python
     python scripts/check_trl_reward_functions.py --reward-file my_rewards.py --functions f,g --formats standard
 
 Both trainers get the same tiny model folder (`rlhf.models.tiny`, no network), the same rows (a

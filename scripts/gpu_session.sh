@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks (../shared/GPU.md), phase by phase, each in one command:
+# The GPU checks (docs/gpu.md), phase by phase, each in one command:
 #
 #   bash scripts/gpu_session.sh correctness   # pytest -m gpu, rlhf report, compute-sanitizer memcheck + racecheck
 #   (and its parts alone: gputests, racecheck, memcheck_rest)
@@ -10,9 +10,9 @@
 #   bash scripts/gpu_session.sh suite         # the whole test suite with CUDA visible
 #
 # Several phases may be named in one call; SUITE_ARGS passes pytest options to `suite` (-n 8 with
-# xdist, -k ...). Logs go to $OUT (the device tool brings them back)
-# or to ./gpu-logs. The project is installed editable without touching the machine's packages
-# (--no-deps: the image's torch/transformers are used as they are).
+# xdist, -k ...). Logs go to $OUT when it is set, else to ./gpu-logs. The project is installed
+# editable without touching the machine's packages (--no-deps: the image's torch/transformers are
+# used as they are).
 set -u
 cd "$(dirname "$0")/.."
 LOGS="${OUT:-$PWD/gpu-logs}"
@@ -70,7 +70,7 @@ graphs() {
 }
 
 ppo1b() {
-    # GPU.md item 4: PPO on a 1.1B Llama (TinyLlama's shape, char vocabulary), bf16; per-phase
+    # PPO on a 1.1B Llama (TinyLlama's shape, char vocabulary), bf16; per-phase
     # time, peak GPU memory per phase and the rollout/training log-prob difference, from
     # metrics.jsonl. PPO1B_SHAPE="hidden layers heads kv_heads ffn" shrinks it (a CPU smoke test).
     echo "== rlhf ppo on the 1B shape"

@@ -53,9 +53,10 @@ from rlhf.stages.rollouts import Rollouts
 log = get_logger(__name__)
 
 # 1e-2: a Bradley-Terry model whose scores spread less than this gives every pair a preference of
-# sigmoid(delta) = 0.5 +- 0.005, i.e. it has learned no ordering (the zero-initialised head
-# left 0.001), and the spread is of the order of the score's own rounding in bfloat16 (steps of
-# 2^-8 ~ 0.004 near 1), a dtype the frozen reward model may run in: dividing by it amplifies noise.
+# sigmoid(delta) = 0.5 +- 0.005, i.e. it has learned no ordering (a reward model trained from a
+# zero-initialised value head spread 0.001), and the spread is of the order of the score's own
+# rounding in bfloat16 (steps of 2^-8 ~ 0.004 near 1), a dtype the frozen reward model may run in:
+# dividing by it amplifies noise.
 DEGENERATE_SCORE_STD = 1e-2
 
 

@@ -1,13 +1,16 @@
-"""The layering and size rules of DESIGN.md / STYLE.md, checked on the source with `ast`.
+"""The layering and size rules of the code, checked on the source with `ast`.
 
 - The engine sits below the app: no module in engine/ imports `rlhf.*` other than `rlhf.engine.*`,
   `rlhf.errors` and `rlhf.logging` (function-level imports included).
 - Functions stay readable: none in engine/ or stages/ is longer than MAX_FUNCTION_LINES.
+- The code speaks of the product: no comment or docstring names a work period, a note to a later
+  run, a path outside the repository or a document that is not in it (`NOTE_WORDS`).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -96,8 +99,8 @@ def test_foundations_import_neither_stages_nor_the_cli() -> None:
     """The arrows point one way: rlhf.cli -> rlhf.stages -> foundations (rlhf.*) -> rlhf.engine."""
     offenders = []
     for path in _modules("rlhf"):
-        if path.name in ("cli.py", "__main__.py") and path.parent == REPO / "rlhf":
-            continue
+        if path.name in ("cli.py", "__main__.py", "config_docs.py") and path.parent == REPO / "rlhf":
+            continue  # the CLI, and what sits on it: `python -m rlhf`, the page documenting its commands
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, module in _imported_modules(tree, _package_of_app(path)):
             if module.startswith(("rlhf.stages", "rlhf.cli")):
@@ -108,3 +111,24 @@ def test_foundations_import_neither_stages_nor_the_cli() -> None:
             if module.startswith("rlhf.cli"):
                 offenders.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert not offenders, "imports against the layering:\n" + "\n".join(offenders)
+
+
+NOTE_WORDS = re.compile(r"\bsession [0-9]+|\bthis session\b|next\s+gpu\s+session|\.\./shared|\bissue #[0-9]+|"
+                        r"\bDESIGN\.md\b|\bSTYLE\.md\b", re.IGNORECASE)
+"""Words about how the code was made rather than what it does: work periods ("session N"), notes to
+a later run, paths beside the repository, issue numbers, design notes that are not in the repository.
+A line compiling a pattern (a check for these words, as this one) is not a use of them."""
+SOURCE_FOLDERS = ("rlhf", "stages", "engine", "scripts", "tests", "csrc")
+SOURCE_SUFFIXES = (".py", ".sh", ".cpp", ".cu", ".cuh", ".h", ".inc")
+
+
+def test_the_code_speaks_of_the_product() -> None:
+    offenders = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix not in SOURCE_SUFFIXES or "__pycache__" in path.parts:
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if NOTE_WORDS.search(line) and "re.compile(" not in line:
+                    offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    assert not offenders, "say what the code does, not how it was made:\n" + "\n".join(offenders)

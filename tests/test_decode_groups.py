@@ -23,7 +23,7 @@ MB = 2**20
 
 
 def test_rows_per_group_by_hand() -> None:
-    # The peers' tiny Llama on a 32 MB L3: 12.7 MB of packed weights; a row's float16 cache at the
+    # The 4-layer tiny Llama of scripts/bench_ppo.py on a 32 MB L3: 12.7 MB of packed weights; a row's float16 cache at the
     # mean length is 0.79 MB (256 new tokens) or 0.39 MB (64). Half the cache leaves room for
     # 4.2 / 8.5 rows: 8 either way (at 256 as the fallback, 12.7 + 8 x 0.79 = 19 MB <= 32).
     assert rows_per_group(32, int(12.7 * MB), int(0.79 * MB), 32 * MB) == 8

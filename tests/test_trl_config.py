@@ -280,7 +280,7 @@ def test_a_saved_configs_masked_tokens_are_unset(tmp_path):
     assert config.data.max_seq_len == 512
 
 
-TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /tmp/trl1-peer/venv/bin/python)
+TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /path/to/trl-venv/bin/python)
 DUMP = """
 import json, sys
 from trl import GRPOConfig, RewardConfig, SFTConfig

@@ -364,7 +364,7 @@ def test_logged_metrics_columns_and_none_over_two_ranks_with_dynamic_sampling(ti
 # ------------------------------------------------------------------ the same file in TRL's GRPOTrainer
 
 
-TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /tmp/trl1-peer/venv/bin/python)
+TRL_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl (e.g. /path/to/trl-venv/bin/python)
 
 
 @pytest.mark.slow

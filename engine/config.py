@@ -1,9 +1,11 @@
 """The engine's own configuration: sharding, precision, batch arithmetic, optimizer and schedule.
 
 The engine depends on nothing above it; the app (`rlhf.config`) composes this dataclass into each
-stage's config as its `engine:` section. Each field's docstring is its CLI help, and each
-numeric field declares its allowed values where it is defined (`bounded(default, ge=..)`); the app
-checks them whenever a field is set from a flag, a config file or a ds_config.
+stage's config as its `engine:` section. Each field's docstring opens with its CLI help (one
+paragraph of at most ~160 characters; further paragraphs are the longer explanation that
+docs/config.md shows), and each numeric field declares its allowed values where it is defined
+(`bounded(default, ge=..)`); the app checks them whenever a field is set from a flag, a config file
+or a ds_config.
 """
 
 from __future__ import annotations
@@ -82,11 +84,16 @@ class EngineConfig:
     """How a model is trained: sharding, precision, batch arithmetic, optimizer and schedule."""
 
     zero_stage: ZeroStage = 3
-    """ZeRO stage: 3 shards params, grads and optimizer state (FSDP2 reshard after forward); 1 and 2 keep params gathered between forward and backward; 0 replicates (DDP-like)."""
+    """ZeRO stage: 3 shards params, grads and optimizer state; 1 and 2 keep params gathered between forward and
+    backward; 0 replicates (DDP-like).
+
+    Stage 3 is FSDP2 with reshard after forward.
+    """
     offload: bool = False
     """ZeRO-Offload: keep sharded params, grads and optimizer state on CPU and step the optimizer there."""
     dtype: Dtype = "auto"
-    """Compute precision: bf16 or fp16 (params cast for compute, fp32 master weights and reductions), fp32, or auto (bf16 on a GPU that supports it, else fp32)."""
+    """Compute precision: bf16 or fp16 (params cast for compute, fp32 master weights and reductions), fp32, or auto
+    (bf16 on a GPU that supports it, else fp32)."""
     micro_batch_size: int = bounded(4, ge=1)
     """Samples per rank per forward/backward (DeepSpeed train_micro_batch_size_per_gpu)."""
     grad_accum: int | None = bounded(None, ge=1)
@@ -120,11 +127,27 @@ class EngineConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward to save memory."""
     compile: bool = False
-    """torch.compile each decoder layer (fuses RMSNorm/RoPE/SwiGLU/... elementwise ops; one-off compile time, ~30 s on a small CPU); off by default."""
+    """torch.compile each decoder layer, fusing its elementwise ops (RMSNorm, RoPE, SwiGLU, ...); costs a one-off
+    compile time.
+
+    Off by default; --fused-layers (on by default) already runs these ops of Llama-family layers as fused
+    csrc kernels, without compiling.
+    """
     fused_layers: bool = True
-    """Run the RMSNorm, RoPE, SwiGLU and SDPA attention of Llama-family layers (Llama, Qwen2, Mistral) as fused csrc kernels (float32 on CPU; elsewhere their PyTorch reference, Hugging Face's code); false keeps Hugging Face's modules as they are. Ignored with compile."""
+    """Run the RMSNorm, RoPE, SwiGLU and attention of Llama-family layers as fused csrc kernels; false keeps Hugging
+    Face's modules. Ignored with --compile.
+
+    Llama, Qwen2 and Mistral layers are fused. The kernels run in float32 on the CPU; elsewhere each op
+    runs its PyTorch reference (Hugging Face's code, attention through SDPA).
+    """
     cpu_matmul: CpuMatmul = "auto"
-    """Library of float32 linears' matmuls on the CPU: aten (torch's: MKL), onednn (forward and input gradient through oneDNN at 64+ rows and 256+ long dot products (64+ on Zen 5), the weight gradient too on AMD CPUs with AVX-512, else on MKL; engine/cpu_matmul.py), or auto: onednn on AMD CPUs, where MKL runs its AVX2 path (1.09x a tiny Llama's and 1.16x SmolLM2's training step on a Zen 4), else aten. Same results up to rounding."""
+    """Library of float32 linears' matmuls on the CPU: aten (torch's, MKL), onednn, or auto (onednn on AMD CPUs, else
+    aten). Same results up to rounding.
+
+    onednn runs the forward and the input gradient through oneDNN at 64+ rows and dot products of 256+
+    (64+ on Zen 5), and the weight gradient too on AMD CPUs with AVX-512 (elsewhere on MKL); see
+    engine/cpu_matmul.py. auto takes oneDNN on AMD CPUs because MKL runs its AVX2 code path there.
+    """
     loss_scale: float = bounded(0.0, ge=0)
     """fp16 only: static loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: int = bounded(16, ge=0, le=64)
@@ -136,11 +159,21 @@ class EngineConfig:
     min_loss_scale: float = bounded(1.0, gt=0)
     """fp16 dynamic scaling: the scale never drops below this."""
     max_skipped_steps: int = bounded(10, ge=0)
-    """Stop the run (no model, no DONE; checkpoints already saved are kept) after this many optimizer steps in a row were skipped for a non-finite (NaN/inf) loss or gradient; with fp16 dynamic scaling only overflows at min_loss_scale count. 0 never stops: every such step is skipped and counted."""
+    """Stop the run after this many optimizer steps in a row were skipped for a non-finite (NaN/inf) loss or gradient;
+    0: never stop.
+
+    A stopped run writes no model and no DONE; checkpoints already saved are kept. With fp16 dynamic loss
+    scaling only overflows at min_loss_scale count. With 0 every such step is skipped and counted.
+    """
     seed: int = bounded(42, ge=0)
     """Seed of model init, data order, dropout and sampling."""
     dist_timeout: float = bounded(600.0, gt=0)
-    """Seconds a collective may wait for the other ranks, and how long a rank may make no progress (stopped, hung, host gone) before every other rank stops the job with one line naming it."""
+    """Seconds a collective may wait for the other ranks, and a rank may go without progress, before the job stops
+    with one line naming the rank.
+
+    A rank that makes no progress for this long (stopped, hung, or its host gone) is named by the other
+    ranks, which stop the job.
+    """
 
     def validate(self, where: str = "config") -> None:
         """Rules between fields, checked once after every source is applied (each field's own

@@ -1,7 +1,8 @@
 """`rlhf` command line: one subcommand per stage, flags generated from the typed configs.
 
-Every config field is a flag (its docstring's first paragraph is the help; docs/config.md has all). Precedence, lowest first: defaults <
---deepspeed-config < --trl-config < --config file < flags given on the command line, applied by
+Every config field is a flag (its docstring's first paragraph is the help; docs/config.md, written
+by `rlhf.config_docs`, has it all). Precedence, lowest first: defaults < --deepspeed-config <
+--trl-config < --config file < flags given on the command line, applied by
 `rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
 click's own included, is one `error:` line and exit code 2 (`main`: a bad flag, file, model folder or
 data row, a full disk, a read-only folder, memory that cannot be allocated, a stalled rank; with
@@ -59,8 +60,10 @@ def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., An
         f = click.option("--deepspeed-config", "deepspeed_config", type=str, default=None,
                          help="A DeepSpeed ds_config.json; its batch, ZeRO, offload, precision, optimizer, "
                               "scheduler and checkpointing keys set the engine.")(f)
-        f = click.option("--config", "config_file", type=str, default=None,
-                         help="YAML/JSON config file (fields flat or under engine:/data:/tracking:/lora:).")(f)
+        config_help = ("YAML/JSON config file (fields flat or under engine:/data:/tracking:/lora:)."
+                       if issubclass(cls, RunConfig) else
+                       "YAML/JSON config file: these options at the top level, each stage's under sft:/reward:/ppo:.")
+        f = click.option("--config", "config_file", type=str, default=None, help=config_help)(f)
         return f
 
     return decorate
@@ -218,7 +221,6 @@ def _register_stages() -> None:
     def e2e_command(ctx: click.Context, **kwargs: Any) -> None:
         """SFT -> reward -> PPO chained; with no arguments, the built-in offline demo on a tiny model.
 
-        \b
         Stage settings: a --config file with `sft:`, `reward:`, `ppo:` sections (top-level keys are
         the e2e options below), or prefixed flags such as --sft.lr 1e-3 --ppo.kl-coef 0.1.
         Re-running skips finished stages and resumes an interrupted one.
@@ -240,10 +242,13 @@ def _register_stages() -> None:
     @cli.command("chat")
     @click.option("--model", "model_dir", required=True, help="Any stage's <output>/model (or critic/) folder.")
     @click.option("--prompt", default=None, help="Answer this one prompt and exit (default: interactive).")
-    @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-    @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(min=0), help="0 for greedy.")
-    @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0, 1, min_open=True))
-    @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+    @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+                  help="Most tokens of an answer.")
+    @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(min=0),
+                  help="Sampling temperature; 0 for greedy.")
+    @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0, 1, min_open=True),
+                  help="Top-p (nucleus) sampling (1: off).")
+    @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed of the sampling.")
     def chat_command(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int) -> None:
         """Talk to a model: answers with a causal LM, scores 'prompt ||| response' with a reward model."""

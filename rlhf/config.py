@@ -7,6 +7,10 @@ across sections, so each field is also a CLI flag (`micro_batch_size` -> `--micr
 may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`, `lora:`). The
 resolved config is saved beside every output as config.yaml.
 
+A field's docstring opens with its help, one paragraph of at most ~160 characters (what the flag
+does, its unit or choices), which `--help` shows; further paragraphs, after a blank line, are the
+longer explanation, which docs/config.md shows too (`python -m rlhf.config_docs` writes it).
+
 Each value is checked once, where its field is defined: its type (Literal choices included) and its
 rule (`bounded(default, ge=..)`, `checked(default, rule)`) when it is set from any source, with one
 error line "<source>: <value> must be <rule>"; rules between fields are each dataclass's
@@ -109,7 +113,8 @@ class DataConfig:
     """Where rows come from and how they become token sequences."""
 
     data: list[str] = field(default_factory=list)
-    """Datasets: local json/jsonl/parquet/csv files, load_from_disk folders, or hub names (repeat the flag for several)."""
+    """Datasets: local json/jsonl/parquet/csv files, load_from_disk folders, or hub names (repeat the flag for
+    several)."""
     data_split: str | None = checked(None, SplitShares())
     """Share one dataset between the stages sft,reward,ppo, e.g. 2,4,4; each stage takes its seeded, disjoint part."""
     eval_split: float = bounded(0.0, ge=0, lt=1)
@@ -117,23 +122,48 @@ class DataConfig:
     eval_data: list[str] = field(default_factory=list)
     """Separate held-out evaluation data (same formats as data); used instead of eval_split."""
     max_seq_len: int = bounded(512, ge=2)
-    """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and counted."""
+    """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and
+    counted."""
     train_on_prompt: bool = False
     """SFT only: include prompt tokens in the loss (by default only response tokens are trained)."""
     train_last_turn_only: bool = False
-    """SFT only: of a multi-turn conversation train only the last assistant turn (default: every assistant turn, as TRL's assistant_only_loss)."""
+    """SFT only: of a multi-turn conversation train only the last assistant turn (default: every assistant turn, as
+    TRL's assistant_only_loss)."""
     chat_template: str | None = None
-    """A Jinja chat template file (.jinja) used instead of the tokenizer's; the exported model's tokenizer carries it."""
+    """A Jinja chat template file (.jinja) used instead of the tokenizer's; the exported model's tokenizer carries
+    it."""
     data_config: str | None = None
-    """The config (subset) of each --data dataset, for hub datasets and folders whose README.md defines several (e.g. main); a single file or save_to_disk folder has none."""
+    """The config (subset) of each --data dataset, for hub datasets and folders whose README.md defines several (e.g.
+    main).
+
+    A single file or save_to_disk folder has none.
+    """
     data_train_split: str = "train"
-    """The split of each --data dataset to train on (e.g. train_prefs); a json/jsonl/parquet/csv file has only train, unless it is a .json object of splits {"train": [...], "test": [...]}."""
+    """The split of each --data dataset to train on (e.g. train_prefs).
+
+    A json/jsonl/parquet/csv file has only train, unless it is a .json object of splits
+    {"train": [...], "test": [...]}.
+    """
     data_test_split: str | None = None
-    """A split of each --data dataset to evaluate on (e.g. test_prefs), whole (neither mixed nor shared out by data_split): the eval set instead of eval_split (which is then unused, with a warning); not with eval_data; sft and reward only (ppo has no eval set)."""
+    """A split of each --data dataset to evaluate on (e.g. test_prefs): the eval set instead of eval_split; sft and
+    reward only.
+
+    The split is used whole: neither mixed by data_mix nor shared out by data_split. eval_split is then
+    unused, with a warning. Not with eval_data. ppo has no eval set.
+    """
     data_columns: list[str] = field(default_factory=list, metadata={"rule": ColumnRenames()})
-    """Column renames NEW=OLD, comma-separated (prompt=question,answer=solution), in every row of --data (both splits) and --eval-data before the row format is detected (not --ptx-data)."""
+    """Column renames NEW=OLD, comma-separated (prompt=question,answer=solution), applied before the row format is
+    detected.
+
+    Every row of --data (both splits) and of --eval-data is renamed; --ptx-data is not.
+    """
     data_mix: list[float] = field(default_factory=list, metadata={"rule": PositiveWeights()})
-    """With several --data: the share of each in the training rows, comma-separated (e.g. 0.7,0.3): a seeded sample of each without replacement, as many rows as the shares allow (the dataset that runs out first bounds the total); the log counts what each gave and left out. Mixed before the stage takes its data_split share."""
+    """With several --data: the share of each in the training rows, comma-separated (e.g. 0.7,0.3).
+
+    Each dataset gives a seeded sample without replacement, as many rows as the shares allow: the dataset
+    that runs out first bounds the total. The log counts what each gave and left out. The rows are mixed
+    before the stage takes its data_split share.
+    """
 
     @property
     def column_renames(self) -> dict[str, str]:
@@ -158,7 +188,8 @@ class TrackingConfig:
     """Experiment tracking. metrics.jsonl is always written."""
 
     report_to: str = "wandb"
-    """Comma-separated trackers: wandb, tensorboard, or none. W&B runs offline without credentials or network (WANDB_MODE is respected)."""
+    """Comma-separated trackers: wandb, tensorboard, or none. W&B runs offline without credentials or network
+    (WANDB_MODE is respected)."""
     wandb_project: str = "rlhf"
     """W&B project."""
     wandb_entity: str | None = None
@@ -176,15 +207,30 @@ class LoRAConfig:
     """Low-rank adapters (peft LoRA) instead of full fine-tuning of the trained models."""
 
     lora_rank: int = bounded(0, ge=0)
-    """LoRA rank r: train rank-r adapters A, B beside each target linear layer (W + alpha/r * B A), the base weights frozen, Adam state only for the adapters. 0: full fine-tuning. In ppo the reference model is then the actor with its adapters disabled (no second copy) and rollouts use the merged weights; a reward model/critic trains its value head fully."""
+    """LoRA rank r: train rank-r adapters beside each target linear layer, the base weights frozen. 0: full
+    fine-tuning.
+
+    An adapted layer computes W + alpha/r x B A with adapters A and B; Adam keeps state only for the
+    adapters. In ppo the reference model is then the actor with its adapters disabled (no second copy),
+    and rollouts use the merged weights. A reward model or critic trains its value head fully.
+    """
     lora_alpha: float = bounded(16.0, gt=0)
     """LoRA scaling numerator: adapters add alpha/rank x B A (16 with rank 8 is a scale of 2)."""
     lora_dropout: float = bounded(0.0, ge=0, lt=1)
     """Dropout on the adapters' input in training (sft, reward; ppo turns every dropout off)."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names to adapt (suffixes such as q_proj v_proj), or all-linear: every linear projection inside the decoder layers (attention and MLP; not the embeddings, LM head or value head)."""
+    """Module names to adapt (suffixes such as q_proj v_proj), or all-linear: every linear projection inside the
+    decoder layers.
+
+    all-linear covers the attention and MLP projections; not the embeddings, the LM head or the value head.
+    """
     export_adapter: bool = False
-    """Export the trained adapter (peft format: adapter_config.json + adapter_model.safetensors, loadable with peft's PeftModel.from_pretrained on the base model) instead of merged weights. Default: the merged model, a plain Hugging Face folder the next stage loads."""
+    """Export the trained adapter in peft format instead of merged weights (default: the merged model, a plain Hugging
+    Face folder).
+
+    The adapter folder holds adapter_config.json and adapter_model.safetensors, loadable with peft's
+    PeftModel.from_pretrained on the base model. The merged model is what the next stage loads.
+    """
 
     def validate(self, where: str = "config") -> None:
         if self.export_adapter and self.lora_rank == 0:
@@ -209,10 +255,13 @@ class RunConfig:
     save_interval: int = bounded(0, ge=0)
     """Write a resume checkpoint every this many optimizer steps (0: none; see save_final_checkpoint)."""
     save_final_checkpoint: bool = False
-    """Also write a resume checkpoint after the last step (what extending a finished run with a
-    larger max_steps/epochs resumes from). Off by default: a finished stage is marked DONE, and the checkpoint (model, optimizer state, RNG) is several
-    times the exported model (1.7 GB for SFT of a 135M model); --save-interval checkpoints, what an
-    interrupted run resumes from, are written either way."""
+    """Also write a resume checkpoint after the last step, which extending a finished run (a larger max_steps/epochs)
+    resumes from.
+
+    Off by default: a finished stage is marked DONE, and the checkpoint (model, optimizer state, RNG) is
+    several times the size of the exported model (1.7 GB for SFT of a 135M model). The --save-interval
+    checkpoints, which an interrupted run resumes from, are written either way.
+    """
     keep_checkpoints: int = bounded(2, ge=1)
     """How many resume checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: bool = False
@@ -236,9 +285,22 @@ class StageConfig(RunConfig):
     model: str = ""
     """Starting model: a local Hugging Face folder (e.g. a previous stage's <output>/model) or a hub name."""
     max_tokens_per_micro_batch: int = bounded(0, ge=0)
-    """Regroup each optimizer step's rows (micro_batch_size x grad_accum per rank) by length into micro-batches of at most this many padded tokens, as many on every rank: the loss is normalised by the step's global token (pair) count either way, so the step is the same, with less padding. 0: micro_batch_size rows each."""
+    """Regroup each optimizer step's rows by length into micro-batches of at most this many padded tokens: the same
+    step, less padding. 0: off.
+
+    The step's rows (micro_batch_size x grad_accum per rank) are regrouped into as many micro-batches on
+    every rank. The loss is normalised by the step's global token (pair) count either way, so the step is
+    the same. 0: micro_batch_size rows each.
+    """
     pack_sequences: bool = True
-    """With --max-tokens-per-micro-batch, each micro-batch's forward (sft: the LM's; reward: the chosen and rejected sequences' scores) runs its rows' real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; not LoRA; float32 on the CPU with --fused-layers), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward; same loss and gradients up to rounding."""
+    """With --max-tokens-per-micro-batch, run each micro-batch's real tokens packed end to end (no padding computed)
+    where the model allows.
+
+    sft packs the LM's forward, reward the forwards that score the chosen and rejected sequences. Packed
+    rows restart their positions under a block-diagonal mask. A micro-batch is packed when the model packs
+    (Llama, Qwen2, Mistral; not LoRA; float32 on the CPU with --fused-layers), it holds at most 4096 real
+    tokens, and that is fewer tokens than its padded forward. Loss and gradients are the same up to rounding.
+    """
 
 
 @dataclass
@@ -251,11 +313,24 @@ class RewardConfig(StageConfig):
     """Reward-model training on preference pairs: a causal LM backbone plus a scalar value head."""
 
     value_head_init_std: float | None = bounded(None, ge=0)
-    """Initial value-head weights drawn from N(0, std); unset: std 1/sqrt(hidden_size + 1), as OpenRLHF / TRL classifier heads, so the backbone gets a gradient from the first step (a zero head, std 0, gives it none and a real model then learns nothing). Ignored when --model is already a reward model."""
+    """Initial value-head weights drawn from N(0, std); unset: std 1/sqrt(hidden_size + 1). Ignored when --model is
+    already a reward model.
+
+    The default follows OpenRLHF's and TRL's classifier heads, so the backbone gets a gradient from the
+    first step; a zero head (std 0) gives it none, and a real model then learns nothing.
+    """
     center_rewards_coef: float = bounded(0.0, ge=0)
-    """Add coef x mean((score_chosen + score_rejected)^2) to the pairwise loss, pulling the scores towards mean zero (Eisenstein et al. 2023, eq. 2; TRL's center_rewards_coefficient, which recommends 0.01). 0: off."""
+    """Add coef x mean((score_chosen + score_rejected)^2) to the pairwise loss, pulling the scores towards mean zero.
+    0: off.
+
+    Eisenstein et al. 2023, eq. 2; TRL's center_rewards_coefficient, which recommends 0.01.
+    """
     disable_dropout: bool = False
-    """Turn off every dropout layer of the backbone in training, as TRL's RewardTrainer does by default (LoRA's adapter dropout, --lora-dropout, stays). Off by default: the model's own dropout config applies."""
+    """Turn off every dropout layer of the backbone in training, as TRL's RewardTrainer does. Off: the model's own
+    dropout config applies.
+
+    LoRA's adapter dropout (--lora-dropout) stays.
+    """
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -285,35 +360,80 @@ class PPOConfig(RunConfig):
     ref: str | None = None
     """The frozen reference policy for the KL penalty; defaults to --actor."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or package.module:function; per sample f(prompt, response, **row_fields) -> float | None, or TRL's GRPOTrainer convention f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float | None] (messages for conversational rows); None leaves a sample to the other sources; async def functions are awaited together (see rlhf/reward_functions.py)."""
+    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or
+    package.module:function.
+
+    A function is called per sample, f(prompt, response, **row_fields) -> float | None, or in TRL's
+    GRPOTrainer convention, f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra,
+    **columns) -> list[float | None], with messages for conversational rows. None leaves a sample to the
+    other reward sources. async def functions are awaited together (rlhf/reward_functions.py).
+    """
     reward_weights: list[float] = field(default_factory=list)
-    """Weights of the reward sources, comma-separated: the --reward model first (when given), then each --reward-fn in order; default all 1."""
+    """Weights of the reward sources, comma-separated: the --reward model first (when given), then each --reward-fn in
+    order; default all 1."""
     advantage_estimator: AdvantageEstimator = "gae"
-    """gae: PPO with a critic (Schulman et al. 2016/2017); grpo: group-normalised scores (Shao et al. 2024, DeepSeekMath); dr_grpo: group mean only, constant-normalised loss (Liu et al. 2025, "Understanding R1-Zero-Like Training"); rloo: leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics"); reinforce_pp: REINFORCE++ with globally whitened returns (Hu 2025); reinforce_pp_baseline: REINFORCE++ with a group-mean baseline. All but gae train no critic."""
+    """gae: PPO with a critic; grpo, dr_grpo: group-normalised scores; rloo: leave-one-out baseline;
+    reinforce_pp(_baseline): REINFORCE++. Only gae trains a critic.
+
+    gae: generalised advantage estimation with a critic (Schulman et al. 2016/2017). grpo: group-normalised
+    scores (Shao et al. 2024, DeepSeekMath). dr_grpo: group mean only, constant-normalised loss (Liu et al.
+    2025, "Understanding R1-Zero-Like Training"). rloo: leave-one-out baseline (Ahmadian et al. 2024, "Back
+    to Basics"). reinforce_pp: REINFORCE++ with globally whitened returns (Hu 2025). reinforce_pp_baseline:
+    REINFORCE++ with a group-mean baseline.
+    """
     samples_per_prompt: int = bounded(1, ge=1)
-    """Responses sampled per prompt (a group; its prompt is prefilled once); >= 2 for grpo, dr_grpo, rloo, reinforce_pp_baseline."""
+    """Responses sampled per prompt (a group; its prompt is prefilled once); >= 2 for grpo, dr_grpo, rloo,
+    reinforce_pp_baseline."""
     loss_aggregation: LossAggregation = "auto"
-    """How per-token losses become one: token-mean (PPO, DAPO), seq-mean-token-mean (GRPO paper, GSPO), seq-mean-token-sum-norm (Dr. GRPO: token sums / max_new_tokens); auto: seq-mean-token-sum-norm for dr_grpo, seq-mean-token-mean with --importance-ratio sequence, else token-mean."""
+    """How per-token losses become one: token-mean, seq-mean-token-mean or seq-mean-token-sum-norm; auto picks one by
+    estimator and importance ratio.
+
+    token-mean: as PPO and DAPO. seq-mean-token-mean: as the GRPO paper and GSPO. seq-mean-token-sum-norm:
+    as Dr. GRPO, token sums over max_new_tokens. auto: seq-mean-token-sum-norm for dr_grpo,
+    seq-mean-token-mean with --importance-ratio sequence, else token-mean.
+    """
     clip_range_low: float | None = bounded(None, gt=0, lt=1)
     """Lower policy-ratio clip (ratio >= 1 - low); defaults to --clip-range."""
     clip_range_high: float | None = bounded(None, gt=0)
-    """Upper policy-ratio clip (ratio <= 1 + high); defaults to --clip-range; DAPO's clip-higher uses 0.28 with low 0.2."""
+    """Upper policy-ratio clip (ratio <= 1 + high); defaults to --clip-range; DAPO's clip-higher uses 0.28 with low
+    0.2."""
     importance_ratio: ImportanceRatio = "token"
-    """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio (Zheng et al. 2025; use clip ranges ~3e-4/4e-4)."""
+    """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio (Zheng et al. 2025; use clip
+    ranges ~3e-4/4e-4)."""
     kl_placement: KLPlacement = "auto"
-    """Where the KL to the reference goes: reward (per-token penalty, InstructGPT, REINFORCE++, RLOO) or loss (a --kl-estimator term weighted by --kl-coef, GRPO); auto: loss for grpo and dr_grpo, else reward."""
+    """Where the KL to the reference goes: reward (a per-token penalty) or loss (a --kl-estimator term x --kl-coef);
+    auto: loss for grpo, dr_grpo, else reward.
+
+    reward: as InstructGPT, REINFORCE++ and RLOO. loss: as GRPO.
+    """
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop groups whose rewards all tie (no learning signal) and refill from more prompts, up to --dynamic-sampling-rounds generation rounds."""
+    """DAPO's dynamic sampling: drop groups whose rewards all tie (no learning signal) and refill from more prompts,
+    up to --dynamic-sampling-rounds generation rounds."""
     dynamic_sampling_rounds: int = bounded(4, ge=1)
-    """Most generation rounds per iteration with --dynamic-sampling (tied groups fill what is still missing after them)."""
+    """Most generation rounds per iteration with --dynamic-sampling (tied groups fill what is still missing after
+    them)."""
     overlong_buffer: int = bounded(0, ge=0)
-    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to --overlong-penalty linearly (0: off)."""
+    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to --overlong-penalty
+    linearly (0: off)."""
     overlong_penalty: float = bounded(1.0, ge=0)
     """The overlong penalty at max_new_tokens (DAPO: 1.0)."""
     share_prompt_forward: bool = True
-    """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (its keys/values copied to the group's rows; same log-probs and gradients up to rounding)."""
+    """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (same
+    log-probs up to rounding).
+
+    The prompt's keys and values are copied to the group's rows; log-probs and gradients are the same up to
+    rounding.
+    """
     pack_sequences: bool = True
-    """With --max-tokens-per-micro-batch, the actor's, the critic's, the reference model's and the reward model's forwards run each micro-batch's real tokens packed end to end (positions restarting, a block-diagonal mask: no padding computed) where the model packs (Llama, Qwen2, Mistral; float32 on the CPU with --fused-layers), the micro-batch holds at most 4096 real tokens and that is fewer tokens than its padded forward (shared prompts counted once); same log-probs and gradients up to rounding."""
+    """With --max-tokens-per-micro-batch, run each micro-batch's real tokens packed end to end (no padding computed)
+    where the model allows.
+
+    The actor's, the critic's, the reference model's and the reward model's forwards pack. Packed rows
+    restart their positions under a block-diagonal mask. A micro-batch is packed when the model packs
+    (Llama, Qwen2, Mistral; float32 on the CPU with --fused-layers), it holds at most 4096 real tokens,
+    and that is fewer tokens than its padded forward (shared prompts counted once). Log-probs and gradients
+    are the same up to rounding.
+    """
     actor_zero_stage: ZeroStage | None = None
     """ZeRO stage of the actor; defaults to --zero-stage."""
     critic_zero_stage: ZeroStage | None = None
@@ -323,15 +443,38 @@ class PPOConfig(RunConfig):
     inference_tp_size: int = bounded(1, ge=1)
     """Tensor-parallel degree of the actor in rollout mode; must divide the world size."""
     rollout_parity_tolerance: float | None = bounded(None, ge=0)
-    """Max |log-prob| difference between train and rollout mode before failing (default: 1e-3 fp32, 0.05 fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), 0.15 bf16/fp16)."""
+    """Max |log-prob| difference between train and rollout mode before the run fails; unset: by dtype (1e-3 fp32, 0.15
+    bf16/fp16).
+
+    The default is 1e-3 in fp32, 0.05 in fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on
+    the CPU), and 0.15 in bf16/fp16.
+    """
     rollout_parity_every: int = bounded(10, ge=1)
-    """The rollout parity check (a train-mode forward of two rows) runs on a run's first rollout (a resume's too) and then every this many iterations; 1: every iteration. Between checks, old_logprob_diff_* compare generation's log-probs with the training forward on every token."""
+    """Run the rollout parity check (a train-mode forward of two rows) on the first rollout, then every this many
+    iterations; 1: every iteration.
+
+    A resumed run checks its first rollout too. Between checks, the old_logprob_diff_* metrics compare
+    generation's log-probs with the training forward's on every token.
+    """
     max_tokens_per_micro_batch: int = bounded(0, ge=0)
-    """Training micro-batches by a token budget instead of --micro-batch-size rows: rows of similar length together, each micro-batch at most this many tokens (rows x width without padding), every micro-batch's loss weighted by its share of the minibatch's tokens (rows for sequence-level losses), so the step equals one over the whole minibatch. 0: --micro-batch-size rows."""
+    """Cut training micro-batches by a token budget instead of --micro-batch-size rows: at most this many tokens each.
+    0: off.
+
+    Rows of similar length go together; a micro-batch's size is rows x width, without padding. Each
+    micro-batch's loss is weighted by its share of the minibatch's tokens (rows for sequence-level losses),
+    so the step equals one over the whole minibatch. 0: --micro-batch-size rows.
+    """
     recompute_old_logprobs: bool = False
-    """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one forward pass more per iteration)."""
+    """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one
+    forward pass more per iteration)."""
     old_logprob_tolerance: float | None = bounded(None, ge=0)
-    """Max |difference| between generation's log-probs and the training forward's (measured every iteration, logged as old_logprob_diff_max/mean) before PPO recomputes them for the rest of the run (default: 1e-3 fp32, 0.05 fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), 0.15 bf16/fp16)."""
+    """Max |difference| between generation's log-probs and the training forward's before PPO recomputes them for the
+    rest of the run; unset: by dtype.
+
+    The difference is measured every iteration and logged as old_logprob_diff_max/mean. The default is
+    1e-3 in fp32, 0.05 in fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), and
+    0.15 in bf16/fp16.
+    """
     max_prompt_len: int = bounded(256, ge=1)
     """Prompts longer than this many tokens are dropped and counted."""
     max_new_tokens: int = bounded(128, ge=1)
@@ -351,9 +494,26 @@ class PPOConfig(RunConfig):
     greedy: bool = False
     """Greedy rollouts (for debugging and tests; PPO needs sampling to explore)."""
     kv_cache_dtype: KVCacheDtype = "auto"
-    """Rollout KV cache dtype: auto (default) = float16 for a float32 model on the CPU's fast decoder (Llama, Qwen2, Mistral), as llama.cpp keeps its cache, else the model's dtype; model = always the model's dtype (rollouts exactly the model's own forward); fp16 = auto, with a note where it does not apply. The float16 cache halves the cache memory and the bytes a decode step reads: the tiny Llama's decode steps ~40% faster over 256 new tokens after 64-token prompts on a 2-core Zen 5. Generation's log-probs then differ from the float32 training forward's, by ~4e-4 on the peers' tiny Llama and up to ~1e-2 on SmolLM2-135M: measured every iteration as old_logprob_diff_max, and the default tolerances are 0.05 there. A 16-bit model or a GPU keeps the model's dtype."""
+    """Rollout KV cache dtype: auto (float16 for a float32 model on the CPU's fast decoder, else the model's dtype),
+    model (always the model's) or fp16.
+
+    auto keeps the cache in float16 for a float32 Llama, Qwen2 or Mistral model on the CPU's fast decoder,
+    as llama.cpp keeps its cache; a 16-bit model or a GPU keeps the model's dtype. model makes rollouts
+    exactly the model's own forward. fp16 is auto, with a note where it does not apply. The float16 cache
+    halves the cache memory and the bytes a decode step reads. Generation's log-probs then differ from the
+    float32 training forward's (by ~4e-4 on a 4-layer tiny Llama, up to ~1e-2 on SmolLM2-135M); the
+    difference is measured every iteration as old_logprob_diff_max, and the default tolerances are 0.05
+    there.
+    """
     decode_rows_per_group: int | None = bounded(None, ge=1)
-    """Decode a rollout's rows in groups of this many, each group to its end, so that its KV cache and the weights stay in the CPU's last-level cache from step to step (the same draws either way). Default: the fused CPU decode step over packed weights (--cpu-matmul onednn, auto on AMD) picks it from the cache size (8 rows for the peers' tiny Llama on a 32 MB L3, whose whole rollout generates 1.27x faster on a 2-core Zen 4 at 256 new tokens; models whose weights exceed the cache decode every row together, as every other path does)."""
+    """Decode a rollout's rows in groups of this many, each to its end, so that its KV cache and the weights stay in
+    the CPU's last-level cache.
+
+    The draws are the same either way. Unset: the fused CPU decode step over packed weights (--cpu-matmul
+    onednn; auto on AMD CPUs) picks the group from the last-level cache size, e.g. 8 rows for a 4-layer
+    tiny Llama on a 32 MB L3 (engine/decode_groups.py). Models whose weights exceed the cache decode every
+    row together, as every other decode path does.
+    """
     offload_ref: bool = False
     """Keep the frozen reference model's shards on CPU."""
     offload_reward: bool = False
@@ -361,7 +521,11 @@ class PPOConfig(RunConfig):
     kl_coef: float = bounded(0.05, ge=0)
     """Initial KL penalty coefficient beta (TRL 0.05; InstructGPT 0.02; DeepSpeed-Chat 0.1)."""
     kl_estimator: KLEstimator | None = None
-    """Per-token KL estimate: k1 = log p - log q (InstructGPT), k2 = (log p - log q)^2 / 2, k3 = unbiased, always >= 0 (Schulman; GRPO); default k1 in the reward, k3 in the loss."""
+    """Per-token KL estimate: k1 = log p - log q, k2 = (log p - log q)^2 / 2, k3 = unbiased and >= 0; unset: k1 in the
+    reward, k3 in the loss.
+
+    k1: as InstructGPT. k3: Schulman's unbiased, always non-negative estimator, as GRPO.
+    """
     adaptive_kl: bool = False
     """Adapt kl_coef towards kl_target (Ziegler et al. 2019)."""
     kl_target: float = bounded(6.0, gt=0)
@@ -373,7 +537,7 @@ class PPOConfig(RunConfig):
     lam: float = bounded(0.95, ge=0, le=1)
     """GAE lambda (DeepSpeed-Chat, TRL)."""
     clip_range: float = bounded(0.2, gt=0)
-    """PPO policy ratio clip (Schulman et al.; all three)."""
+    """PPO policy ratio clip (Schulman et al.; as InstructGPT, DeepSpeed-Chat and TRL)."""
     clip_range_value: float = bounded(0.2, gt=0)
     """Value clip around the rollout values (DeepSpeed-Chat, TRL)."""
     reward_clip: float = bounded(5.0, gt=0)
@@ -383,7 +547,7 @@ class PPOConfig(RunConfig):
     missing_eos_penalty: float = bounded(0.0, ge=0)
     """Subtracted from the score of responses that end without EOS (TRL's missing_eos_penalty; 0: off)."""
     whiten_advantages: bool = True
-    """Whiten advantages over the global experience batch (all three)."""
+    """Whiten advantages over the global experience batch (InstructGPT, DeepSpeed-Chat, TRL)."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus coefficient in the policy loss (0: off, as in InstructGPT)."""
     ptx_data: list[str] = field(default_factory=list)
@@ -468,9 +632,15 @@ class E2EConfig:
     `reward:`, `ppo:` sections or in prefixed flags (`--sft.lr 1e-3`, `--ppo.kl-coef 0.1`)."""
 
     preset: E2EPreset | None = None
-    """A named recipe whose settings replace the built-in default's (flags and the config file still override them): smollm2 = SmolLM2-135M-Instruct from `rlhf models get` + the arithmetic_words task, sized for ~30 min on 2 CPU cores."""
+    """A named recipe replacing the built-in defaults (flags and --config still override it): smollm2 =
+    SmolLM2-135M-Instruct on the arithmetic_words task.
+
+    smollm2 trains the model `rlhf models get smollm2-135m-instruct` writes, sized for a run of about half
+    an hour on two CPU cores.
+    """
     output: str = "runs/e2e"
-    """Run folder: sft/, reward/, ppo/, data/, base/ and summary.json. Re-running skips finished stages and resumes an interrupted one."""
+    """Run folder: sft/, reward/, ppo/, data/, base/ and summary.json. Re-running skips finished stages and resumes an
+    interrupted one."""
     model: str | None = None
     """Base model (local folder or hub name); by default a tiny model is built from a config."""
     tiny_family: str = "llama"
@@ -482,7 +652,8 @@ class E2EConfig:
     task: str = "sort"
     """Built-in task whose generated data the stages train on and whose checker measures success."""
     data: list[str] = field(default_factory=list)
-    """Your own dataset instead of the task's: shared by the stages through data_split; no task success is measured."""
+    """Your own dataset instead of the task's: shared by the stages through data_split; no task success is
+    measured."""
     data_split: str = checked("2,4,4", SplitShares())
     """Shares of --data for sft,reward,ppo."""
     data_config: str | None = None
@@ -490,15 +661,22 @@ class E2EConfig:
     data_train_split: str = "train"
     """The split of each --data dataset that the stages share out through data_split."""
     data_test_split: str | None = None
-    """A split of each --data dataset that sft and reward evaluate on (whole; replaces the reward stage's 5% holdout)."""
+    """A split of each --data dataset that sft and reward evaluate on (whole; replaces the reward stage's 5%
+    holdout)."""
     data_columns: list[str] = field(default_factory=list, metadata={"rule": ColumnRenames()})
     """Column renames NEW=OLD of --data, comma-separated, for every stage (prompt=question,answer=solution)."""
     data_mix: list[float] = field(default_factory=list, metadata={"rule": PositiveWeights()})
-    """With several --data: the share of each, comma-separated (e.g. 0.7,0.3), mixed before data_split shares the rows out (the same mix in every stage)."""
+    """With several --data: the share of each, comma-separated (e.g. 0.7,0.3), mixed before data_split shares the rows
+    out (the same mix in every stage)."""
     reward_fn: list[str] = field(default_factory=list)
-    """RL rewards from these functions (a task name such as sort, file.py:function, module:function) instead of the reward model (the reward stage is then skipped)."""
+    """RL rewards from these functions (a task name such as sort, file.py:function, module:function) instead of the
+    reward model (the reward stage is then skipped)."""
     advantage_estimator: AdvantageEstimator = "gae"
-    """The RL stage's estimator (see `rlhf ppo --help`); a critic-free one with the built-in task and no --reward-fn rewards with the task's checker, so the reward stage is skipped."""
+    """The RL stage's estimator (as `rlhf ppo`'s); a critic-free one on the built-in task without --reward-fn rewards
+    with the task's checker.
+
+    The reward stage is then skipped.
+    """
     n_sft: int = bounded(16000, ge=1)
     """Task SFT demonstrations (a wrong_fraction share of them wrong)."""
     wrong_fraction: float = bounded(0.35, ge=0, le=1)

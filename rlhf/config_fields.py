@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -23,10 +24,17 @@ from rlhf.errors import UserError
 # ---------------------------------------------------------------- introspection
 
 
+def doc_paragraphs(text: str) -> tuple[str, ...]:
+    """A docstring's paragraphs (split at blank lines), each joined into one line."""
+    return tuple(" ".join(p.split()) for p in re.split(r"\n\s*\n", inspect.cleandoc(text)) if p.strip())
+
+
 @cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings (the string literal after each field) of a dataclass and its bases."""
-    docs: dict[str, str] = {}
+def field_doc_paragraphs(cls: type) -> dict[str, tuple[str, ...]]:
+    """The attribute docstrings (the string literal after each field) of a dataclass and its bases,
+    as paragraphs: the first is the field's help (its CLI flag's), the others the longer
+    explanation that only docs/config.md shows."""
+    docs: dict[str, tuple[str, ...]] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
@@ -43,21 +51,30 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)
             ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
+                docs[node.target.id] = doc_paragraphs(nxt.value.value)
     return docs
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's help: the first paragraph of its docstring (`field_doc_paragraphs` has the rest)."""
+    return {name: paragraphs[0] if paragraphs else "" for name, paragraphs in field_doc_paragraphs(cls).items()}
 
 
 @dataclass(frozen=True)
 class FieldInfo:
-    """One leaf field of a config: its section path, name, type, docstring, default and rule."""
+    """One leaf field of a config: its section path, name, type, help, default and rule."""
 
     section: str | None
     name: str
     type: Any
     doc: str
+    """The help: the docstring's first paragraph, what the field's CLI flag shows."""
     default: Any
     rule: FieldRule | None = None
     """The field's own constraint (from `bounded` / `checked`); a float field without one must be finite."""
+    details: tuple[str, ...] = ()
+    """The docstring's further paragraphs: the longer explanation, shown in docs/config.md only."""
 
     @property
     def base_type(self) -> Any:
@@ -75,9 +92,11 @@ def _resolved_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, globalns=vars(module) if module else None)
 
 
-def _field_info(section: str | None, f: dataclasses.Field, hints: dict[str, Any], docs: dict[str, str]) -> FieldInfo:
+def _field_info(section: str | None, f: dataclasses.Field, hints: dict[str, Any],
+                docs: dict[str, tuple[str, ...]]) -> FieldInfo:
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return FieldInfo(section, f.name, hints[f.name], docs.get(f.name, ""), default, f.metadata.get("rule"))
+    help_text, *details = docs.get(f.name) or ("",)
+    return FieldInfo(section, f.name, hints[f.name], help_text, default, f.metadata.get("rule"), tuple(details))
 
 
 def leaf_fields(cls: type) -> list[FieldInfo]:
@@ -87,10 +106,10 @@ def leaf_fields(cls: type) -> list[FieldInfo]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            sub_hints, sub_docs = _resolved_hints(tp), field_docs(tp)
+            sub_hints, sub_docs = _resolved_hints(tp), field_doc_paragraphs(tp)
             out += [_field_info(f.name, sf, sub_hints, sub_docs) for sf in dataclasses.fields(tp)]
         else:
-            out.append(_field_info(None, f, hints, field_docs(cls)))
+            out.append(_field_info(None, f, hints, field_doc_paragraphs(cls)))
     names = [fi.name for fi in out]
     duplicates = {n for n in names if names.count(n) > 1}
     assert not duplicates, f"config field names must be unique across sections: {duplicates}"

@@ -73,7 +73,8 @@ def build_ops() -> bool:
         if reason is not None:
             skip = spec.needs_cuda and reason == "no CUDA device"
             ok = ok and skip
-            hint = "; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) to build it for a GPU" if skip else ""
+            hint = "" if not skip else "; this torch is a CPU build" if torch.version.cuda is None else (
+                "; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) to build it for a GPU")
             click.echo(f"{prefix} {'skipped' if skip else 'FAILED'} ({reason}{hint})")
             continue
         click.echo(f"{prefix} building or loading...")

@@ -97,7 +97,7 @@ class StallWatchdog:
                 self._stop_job(stalled)
 
     def _read_beats(self) -> dict[int, str]:
-        """Every peer's heartbeat text ("" before its first): two store round trips, not one per peer."""
+        """Every other rank's heartbeat text ("" before its first): two store round trips, not one per rank."""
         keys = {r: f"{self.prefix}{r}" for r in self.peers}
         if self.store.check(list(keys.values())):
             return {r: v.decode() for r, v in zip(keys, self.store.multi_get(list(keys.values())))}

@@ -77,7 +77,6 @@ def test_readme_and_docs_have_no_process_words():
     assert not hits, "\n".join(hits)
 
 
-@pytest.mark.xfail(strict=False, reason="code sweep pending")
 def test_code_has_no_process_words():
     hits = process_word_hits(tracked_files("rlhf", "stages", "engine", "scripts", "tests"))
     assert not hits, f"{len(hits)} lines:\n" + "\n".join(hits[:50])

@@ -27,9 +27,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.fileio import honour_umask, replace_file
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
-from rlhf.fileio import honour_umask, replace_file
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhf.engine.fileio import replace_file
 from rlhf.errors import debug_enabled
-from rlhf.fileio import replace_file
 from rlhf.logging import get_logger
 
 if TYPE_CHECKING:
@@ -219,8 +219,9 @@ def build_lock(folder: Path, name: str, timeout: float | None = None) -> Iterato
             except BlockingIOError:
                 holder = Path(path).read_text().strip() or "unknown"
                 if time.monotonic() - start > timeout:
-                    raise LockTimeout(f"op {name}: {path} has been locked by pid {holder} for over {timeout:.0f} s "
-                                      f"(RLHF_OPS_LOCK_TIMEOUT); if no build of it is running, delete the file") from None
+                    raise LockTimeout(f"op {name}: {path} is still locked by pid {holder} (alive: the kernel drops "
+                                      f"a dead holder's lock) after {timeout:g} s (RLHF_OPS_LOCK_TIMEOUT); if that "
+                                      f"process is stuck, stop it") from None
                 if not said:
                     log.info("op %s: waiting for pid %s to finish building it (lock %s)", name, holder, path)
                     said = True

@@ -7,7 +7,7 @@ made now with torch.utils.cpp_extension (ninja), announced by one log line ("bui
 this machine (first use, ~N s)...") and with the compiler's output in the folder's build.log.
 When no compiler (or no GPU for a CUDA op) is available, or the build fails, it logs one warning
 and returns None so the caller takes its PyTorch reference path. `rlhf report --build` builds
-every op ahead of time (`prepare_ops`).
+every op ahead of time (rlhf/report.py's `build_ops`).
 
 A build that loads is not trusted yet: the first time a build is loaded for a device, its
 self-test (engine/op_selftests.py) runs it against its PyTorch reference on small inputs. A
@@ -33,6 +33,7 @@ from types import ModuleType
 
 import torch
 
+from rlhf.engine.fileio import replace_file
 from rlhf.engine.op_build import (
     CSRC_DIR,
     LockTimeout,
@@ -44,11 +45,9 @@ from rlhf.engine.op_build import (
     toolchain_folder,
 )
 from rlhf.engine.op_build import build_folder as _build_folder
-from rlhf.fileio import replace_file
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
-
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from rlhf.config import leaf_fields, save_config, to_dict
+from rlhf.engine.fileio import replace_file
 from rlhf.errors import UserError
-from rlhf.fileio import replace_file
 
 DONE = "DONE"
 

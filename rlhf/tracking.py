@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import TrackingConfig
+from rlhf.engine.fileio import replace_file
 from rlhf.errors import UserError, import_dependency
-from rlhf.fileio import replace_file
 from rlhf.logging import get_logger
 from rlhf.outputs import strict_json
 

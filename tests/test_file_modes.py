@@ -1,4 +1,4 @@
-"""Output files honour the umask (rlhf/fileio.py): 0644 under umask 022, never a temporary file's 0600.
+"""Output files honour the umask (engine/fileio.py): 0644 under umask 022, never a temporary file's 0600.
 
 safetensors writes every file 0600; `rlhf models get`, the stage exports and checkpoints give
 their folders the umask's modes before renaming them into place, and every file written to a
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlhf.fileio import current_umask, file_mode, honour_umask, replace_file, write_text_atomic
+from rlhf.engine.fileio import current_umask, file_mode, honour_umask, replace_file, write_text_atomic
 from rlhf.outputs import write_json_atomic
 
 

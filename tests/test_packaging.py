@@ -24,7 +24,7 @@ import rlhf.engine.cpu_decode  # noqa: F401  (registers its op)
 import rlhf.engine.layer_op  # noqa: F401  (registers its op)
 from rlhf.engine import ops
 from rlhf.engine.fused_adam import CPU_OP
-from rlhf.fileio import file_mode
+from rlhf.engine.fileio import file_mode
 from tests.conftest import REPO, addition_rows, train_losses, write_jsonl
 
 CPU_OPS = (CPU_OP, rlhf.engine.cpu_decode.CPU_DECODE_OP.name, rlhf.engine.layer_op.FUSED_LAYERS_OP.name)

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from rlhf.engine.fileio import honour_umask
 from rlhf.errors import UserError
-from rlhf.fileio import honour_umask
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)

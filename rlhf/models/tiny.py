@@ -26,7 +26,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from rlhf.fileio import honour_umask
+from rlhf.engine.fileio import honour_umask
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)

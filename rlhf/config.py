@@ -198,6 +198,9 @@ class TrackingConfig:
     """Run name; defaults to <stage>-<output folder name>."""
     wandb_group: str | None = None
     """W&B group (e2e runs put their three stages in one group)."""
+    wandb_init_timeout: float = bounded(10.0, gt=0)
+    """Seconds an online W&B run may take to reach its server; past them (no network, a wrong WANDB_BASE_URL) the run
+    logs offline, with one warning."""
     log_interval: int = bounded(1, ge=1)
     """Log metrics every this many optimizer steps."""
 
@@ -371,6 +374,14 @@ class PPOConfig(RunConfig):
     reward_weights: list[float] = field(default_factory=list)
     """Weights of the reward sources, comma-separated: the --reward model first (when given), then each --reward-fn in
     order; default all 1."""
+    reward_timeout: float = bounded(300.0, ge=0)
+    """Seconds one --reward-fn call (a row, or a batch for TRL-style functions) may take before the run stops naming
+    the row; 0: no limit.
+
+    A sync function is interrupted where it runs (a sleep, a socket wait or a Python loop wakes), an async
+    one cancelled. One stuck in C code that never returns to Python cannot be stopped: the run then ends
+    5 s later with the same line (exit code 2).
+    """
     advantage_estimator: AdvantageEstimator = "gae"
     """gae: PPO with a critic; grpo, dr_grpo: group-normalised scores; rloo: leave-one-out baseline;
     reinforce_pp(_baseline): REINFORCE++. Only gae trains a critic.
@@ -411,7 +422,15 @@ class PPOConfig(RunConfig):
     up to --dynamic-sampling-rounds generation rounds."""
     dynamic_sampling_rounds: int = bounded(4, ge=1)
     """Most generation rounds per iteration with --dynamic-sampling (tied groups fill what is still missing after
-    them)."""
+    them); rounds that keep no group at all stop the run."""
+    max_zero_signal_iters: int = bounded(3, ge=0)
+    """Warn when every group's rewards tie (no learning signal: GRPO's advantage is 0 for every sample) this many
+    iterations in a row; 0: never.
+
+    A group estimator (grpo, dr_grpo, rloo, reinforce_pp_baseline) compares a prompt's samples, so a group
+    is a prompt's samples; for gae and reinforce_pp the whole batch is one group. Ties come from a constant
+    reward, one that ignores the response, or samples that do not differ.
+    """
     overlong_buffer: int = bounded(0, ge=0)
     """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to --overlong-penalty
     linearly (0: off)."""

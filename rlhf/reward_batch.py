@@ -14,12 +14,15 @@ logged sample table), each bound to the function that logs, so a bad call names 
 `run_concurrently` awaits the coroutines of one batch's async reward functions together
 (asyncio.gather) on one event loop that lives in a daemon thread for the whole process, as TRL's
 GRPOTrainer does: a client an async function made (an HTTP session) stays on the loop it was
-made on, and it works where the caller already runs an event loop (a notebook).
+made on, and it works where the caller already runs an event loop (a notebook). Each awaited call
+is bounded by --reward-timeout on the loop; a function that blocks the loop itself (time.sleep in
+an async def) is caught by the caller's wait, and the blocked loop is left for a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import numbers
 import threading
@@ -29,6 +32,7 @@ from typing import Any
 
 from rlhf.data.formats import Message
 from rlhf.errors import UserError
+from rlhf.user_code import GRACE_S
 
 # The keyword arguments TRL passes besides the data columns (a column of one of these names is
 # shadowed by it, as in TRL).
@@ -176,18 +180,38 @@ class _LoopThread:
                 self.loop = loop
             return self.loop
 
+    def abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`loop` is blocked (its thread cannot be stopped): the next `get` starts another."""
+        with self.lock:
+            if self.loop is loop:
+                self.loop = None
+
 
 _LOOP = _LoopThread()
 
 
-def run_concurrently(coroutines: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+def run_concurrently(coroutines: Sequence[Coroutine[Any, Any, Any]], timeout: float | None = None,
+                     what: str = "the async reward functions") -> list[Any]:
     """The coroutines' results in order, awaited together (asyncio.gather) on the reward
-    functions' event loop; the first exception propagates."""
+    functions' event loop; the first exception propagates. `timeout`: the longest a call may take
+    (each bounds its own awaits); the loop not done GRACE_S later is blocked: a UserError
+    naming `what`."""
 
     async def gather() -> list[Any]:
         return list(await asyncio.gather(*coroutines))
 
-    return asyncio.run_coroutine_threadsafe(gather(), _LOOP.get()).result()
+    loop = _LOOP.get()
+    future = asyncio.run_coroutine_threadsafe(gather(), loop)
+    try:
+        return future.result(timeout + GRACE_S if timeout else None)
+    except concurrent.futures.TimeoutError:
+        if future.done():
+            raise  # a TimeoutError of the functions' own
+        _LOOP.abandon(loop)
+        raise UserError(f"{what}: no result {timeout + GRACE_S:g} s after the calls began (--reward-timeout "
+                        f"{timeout:g} s): an async function blocks its event loop (a blocking call such as "
+                        "time.sleep or requests inside an async def); await asyncio.sleep / an async client, or "
+                        "use asyncio.to_thread") from None
 
 
 __all__ = [

@@ -47,7 +47,10 @@ weighted reward sums the sources that scored it, and a sample that no source sco
 (`rlhf.stages.reward_sources`). Anything else, NaN or infinity (return None to skip a sample), a
 wrong count, or an exception stops the run with one `UserError` line naming the spec, the row and
 what came back; with RLHF_DEBUG=1 an exception the function raised propagates as it is, traceback
-and all.
+and all. So does a SystemExit or KeyboardInterrupt that the function raised (`sys.exit(0)` ends
+no run; one that a signal to the process raised, a real Ctrl-C, passes as it is), and a call that
+runs past `timeout` seconds (--reward-timeout): a sync function is interrupted on the main thread
+where it runs, an async one cancelled (`rlhf.user_code`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from typing import Any
 
 from rlhf.errors import UserError, debug_enabled
 from rlhf.reward_batch import TRL_ARGUMENTS, RewardBatch, prompt_text, run_concurrently
+from rlhf.user_code import CallTimedOut, UserCall, bounded_await, user_call
 
 SPEC_FORMS = "a built-in task name ({tasks}), path/to/file.py:function or package.module:function"
 
@@ -98,10 +102,12 @@ class RewardFunction:
     """Keyword names without defaults: every row (batch: some row) must have these fields."""
     is_async: bool = False
     """An `async def` function (or callable): `acall` awaits it."""
+    timeout: float | None = None
+    """Seconds one call may take (--reward-timeout) before the run stops with a line naming the row; None: no limit."""
 
     def __call__(self, batch: RewardBatch) -> list[Score]:
         if self.is_async:
-            return run_concurrently([self.acall(batch)])[0]
+            return run_concurrently([self.acall(batch)], self.timeout, f"--reward-fn {self.spec}")[0]
         if self.batched:
             kwargs, where = self._batch_arguments(batch)
             with self._guard(where):
@@ -120,13 +126,13 @@ class RewardFunction:
         if self.batched:
             kwargs, where = self._batch_arguments(batch)
             with self._guard(where):
-                values = await self.fn(**kwargs)
+                values = await bounded_await(self.fn(**kwargs), self.timeout)
             return self._batch_values(values, batch, where)
 
         async def one(row: int) -> Score:
             args, kwargs = self._row_arguments(row, batch)
             with self._guard(self._where(row, batch)):
-                value = await self.fn(*args, **kwargs)
+                value = await bounded_await(self.fn(*args, **kwargs), self.timeout)
             return self._number(value, row, batch)
 
         return list(await asyncio.gather(*(one(row) for row in range(len(batch)))))
@@ -198,16 +204,32 @@ class RewardFunction:
 
     @contextmanager
     def _guard(self, where: str) -> Iterator[None]:
-        """The function's own exception as one UserError line (as it is with RLHF_DEBUG=1)."""
+        """The call as a `user_call`: its own exception as one UserError line (as it is with
+        RLHF_DEBUG=1), a SystemExit or KeyboardInterrupt it raised too (one that a signal raised
+        passes), and a call past `timeout` as the line naming the row."""
+        timed_out = (f"{where}: no result after --reward-timeout {self.timeout or 0:g} s (the function hangs or is "
+                     "too slow); make it faster, or raise --reward-timeout (0: no limit)")
+        call = UserCall(f"{timed_out}; it did not stop when interrupted, so the run ends here")
         try:
-            yield
+            with user_call(call, self.timeout):
+                yield
         except UserError:
             raise  # ours, e.g. from a bad log_metric call: already one line naming the spec
-        except Exception as exc:
-            if debug_enabled():
-                raise
-            raise UserError(f"{where}: raised {type(exc).__name__}: {_one_line(str(exc), 200)} "
-                            "(RLHF_DEBUG=1 shows the traceback)") from exc
+        except CallTimedOut:
+            raise UserError(timed_out) from None
+        except BaseException as exc:
+            if call.expired:  # interrupted at the deadline inside code that turned it into another error
+                raise UserError(timed_out) from exc
+            if not call.raised_by_function(exc):
+                raise  # a real Ctrl-C (or SIGTERM): the run stops as the signal says
+            if isinstance(exc, Exception):
+                if debug_enabled():
+                    raise
+                raise UserError(f"{where}: raised {type(exc).__name__}: {_one_line(str(exc), 200)} "
+                                "(RLHF_DEBUG=1 shows the traceback)") from exc
+            shown = f"{type(exc).__name__}({_one_line(', '.join(map(repr, exc.args)), 60)})"
+            raise UserError(f"{where}: raised {shown}, which would end the run; a reward function returns a number "
+                            "or None (raise an exception for a real error)") from exc
 
 
 def load_reward_function(spec: str) -> RewardFunction:
@@ -304,7 +326,7 @@ def _import_file(path: Path, spec: str) -> Any:
     sys.modules[name] = module  # dataclasses and pickling in the file look their module up here
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() at import would end the run silently
         del sys.modules[name]
         if debug_enabled():
             raise
@@ -316,7 +338,7 @@ def _import_file(path: Path, spec: str) -> Any:
 def _import_module(module: str, spec: str) -> Any:
     try:
         return importlib.import_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         if debug_enabled():
             raise
         hint = " (is it installed, or on PYTHONPATH?)" if isinstance(exc, ModuleNotFoundError) else ""

@@ -1,4 +1,5 @@
-"""Experiment tracking: metrics.jsonl always; W&B (offline without credentials) and TensorBoard."""
+"""Experiment tracking: metrics.jsonl always; W&B (offline without credentials, or when its server
+cannot be reached within --wandb-init-timeout seconds) and TensorBoard."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from rlhf.config import TrackingConfig
 from rlhf.engine.fileio import replace_file
-from rlhf.errors import UserError, import_dependency
+from rlhf.errors import UserError, first_line, import_dependency
 from rlhf.logging import get_logger
 from rlhf.outputs import strict_json
 
@@ -40,6 +41,25 @@ def wandb_mode() -> str:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         pass
     return "offline"
+
+
+def init_wandb(wandb: Any, init_timeout: float, **kwargs: Any) -> tuple[Any, str]:
+    """`wandb.init(**kwargs)` in `wandb_mode()` and that mode. An online run that fails to start
+    within `init_timeout` seconds (no network, a wrong WANDB_BASE_URL, a rejected key: W&B's own
+    wait is 90 s, then a traceback) starts offline instead, with one warning: training never
+    fails for want of the tracker, and `wandb sync` uploads the run later."""
+    mode = wandb_mode()
+    if mode != "online":
+        return wandb.init(mode=mode, **kwargs), mode
+    try:
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout), **kwargs), mode
+    except Exception as exc:  # wandb's CommError, UsageError, AuthenticationError, ...
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
+    run = wandb.init(mode="offline", **kwargs)
+    folder = Path(run.dir).parent
+    log.warning("W&B: no online run within %g s (--wandb-init-timeout; %s); logging offline to %s instead, "
+                "`wandb sync %s` uploads it later", init_timeout, reason[:200], folder, folder)
+    return run, "offline"
 
 
 def _jsonable(value: Any) -> Any:
@@ -99,11 +119,10 @@ class Tracker:
         if "wandb" in names:
             wandb = import_dependency("wandb", "--report-to wandb",
                                       instead="--report-to none (metrics.jsonl is written either way)")
-            mode = wandb_mode()
-            self._wandb = wandb.init(
-                project=config.wandb_project, entity=config.wandb_entity, name=run_name,
-                group=config.wandb_group, job_type=stage, config=full_config, dir=str(output),
-                mode=mode, reinit="finish_previous",
+            self._wandb, mode = init_wandb(
+                wandb, config.wandb_init_timeout, project=config.wandb_project, entity=config.wandb_entity,
+                name=run_name, group=config.wandb_group, job_type=stage, config=full_config, dir=str(output),
+                reinit="finish_previous",
             )
             log.info("W&B run %s (%s mode) in %s", run_name, mode, self._wandb.dir)
         if "tensorboard" in names:

@@ -12,7 +12,9 @@ Reads top to bottom: `run` checks the config, claims the output folder and build
     collect_rollouts    rollout mode (tensor-parallel actor, static KV cache): --samples-per-prompt
                         responses to each prompt (prefilled once), scored by the reward sources
                         (+ missing-EOS / overlong penalties, clipped); with --dynamic-sampling, more
-                        rounds until the batch holds only groups whose rewards differ
+                        rounds until the batch holds only groups whose rewards differ (none in all
+                        rounds stops the run); every group tied --max-zero-signal-iters times in a
+                        row warns
     make_experience     old/reference log-probs (and critic values) -> per-token rewards (KL
                         penalty unless the KL is a loss term) -> advantages: GAE with a critic, or the
                         estimator's group baseline and returns without one; whitened over all ranks
@@ -42,7 +44,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rlhf.algorithms.advantages import group_baseline_scores, overlong_penalty, varied_groups, whitens_advantages
+from rlhf.algorithms.advantages import (
+    GROUP_ESTIMATORS, group_baseline_scores, overlong_penalty, varied_groups, whitens_advantages,
+)
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.algorithms.ppo import (
     AdaptiveKLController, FixedKLController, explained_variance, kl_estimate, kl_loss, masked_mean, policy_loss,
@@ -304,6 +308,7 @@ class PPOTrainer:
         self.old_logprob_drift = LogprobDrift()
         self.ran_old_logprob_forward = False
         self.optimizer_steps_this_iteration = 0
+        self.tied_iterations = 0  # iterations in a row whose groups' rewards all tied (check_reward_signal)
         reward_model = self.reward.model_source
         self.kept_values: torch.Tensor | None = None
         self.flop_models = iteration_models(self.actor.model.config, self.critic.model.config if self.critic else None,
@@ -421,9 +426,30 @@ class PPOTrainer:
         """This iteration's scored rollouts: one round of sampling, or with --dynamic-sampling as
         many rounds as it takes to fill the batch with groups whose rewards differ."""
         rollouts = self.sample_round(self.round_prompts(iteration, 0), iteration, 0, seconds)
-        if not self.config.dynamic_sampling:
-            return rollouts
-        return self.dynamic_sampling(rollouts, iteration, seconds)
+        if self.config.dynamic_sampling:
+            rollouts = self.dynamic_sampling(rollouts, iteration, seconds)
+        self.check_reward_signal(iteration, rollouts)
+        return rollouts
+
+    def check_reward_signal(self, iteration: int, rollouts: Rollouts) -> None:
+        """The share of groups whose scores all tie (`reward_tied_fraction`; a group estimator's
+        groups are the prompts' samples, else the whole batch is one), and one warning when every
+        group tied for --max-zero-signal-iters iterations in a row: the advantage is then 0 for
+        every sample (GRPO) and training runs on with nothing to learn from the reward."""
+        config = self.config
+        size = self.group_size if config.advantage_estimator in GROUP_ESTIMATORS else self.experience_size
+        scores = global_scores(rollouts.scores, self.ctx)
+        varied = varied_groups(scores, size)
+        rollouts.metrics["reward_tied_fraction"] = 1.0 - float(varied.float().mean())
+        self.tied_iterations = 0 if bool(varied.any()) else self.tied_iterations + 1
+        limit = config.max_zero_signal_iters
+        if limit and self.tied_iterations == limit and self.ctx.is_main:
+            groups = f"a prompt's {size} samples" if size == self.group_size else f"the batch's {size} samples"
+            log.warning("ppo: iterations %d-%d: every group's rewards tied (a group: %s; scores %s), so the advantage "
+                        "is 0 for every sample and the policy learns nothing from the reward (--max-zero-signal-iters "
+                        "%d): the reward is constant or ignores the response; change the reward, or make samples "
+                        "differ more (--samples-per-prompt %d, --temperature %g)", iteration + 2 - limit,
+                        iteration + 1, groups, shown_values(scores), limit, self.group_size, config.temperature)
 
     def round_prompts(self, iteration: int, round_index: int) -> list[int]:
         """The iteration's global prompts (the plan's); a later dynamic-sampling round draws a seeded
@@ -514,6 +540,13 @@ class PPOTrainer:
             n_kept, rounds = n_kept + sum(varied), round_index + 1
             if n_kept >= wanted:
                 break
+        if n_kept == 0:  # on every rank alike (the scores are gathered)
+            assert tied is not None
+            raise UserError(f"--dynamic-sampling: iteration {iteration + 1} kept no group in {rounds} rounds (of "
+                            f"{wanted} prompts x {n} samples each): every prompt's samples got the same reward (scores "
+                            f"{shown_values(tied.scores)}), so every advantage would be 0; the reward is constant or "
+                            "ignores the response: change the reward, raise --samples-per-prompt or --temperature, "
+                            "or drop --dynamic-sampling")
         pool = merge_rollouts([*kept, tied], self.tokenizer.pad_token_id)
         mine = list(range(self.ctx.rank * self.batch_per_rank, (self.ctx.rank + 1) * self.batch_per_rank))
         result = select_rows(pool, mine)
@@ -889,6 +922,12 @@ class PPOTrainer:
         }
         finish_stage(ctx, output, self.tracker, summary)
         return summary
+
+
+def shown_values(scores: torch.Tensor, most: int = 4) -> str:
+    """The distinct values of `scores` for a message: '0, 1' (the first `most`, then '...')."""
+    values = sorted(set(scores.tolist()))
+    return ", ".join(f"{v:g}" for v in values[:most]) + (", ..." if len(values) > most else "")
 
 
 def experience_metrics(exp: Experience, ctx: DistributedContext, has_critic: bool) -> dict[str, float]:

@@ -157,7 +157,9 @@ class WeightedReward:
             if i not in awaited:
                 raws[i] = source.score(sequences, attention_mask, batch, shared_prefix)
         if awaited:  # every async function of the batch at once, as TRL
-            results = run_concurrently([self.sources[i].function.acall(batch) for i in awaited])  # type: ignore[attr-defined]
+            functions: list[RewardFunction] = [self.sources[i].function for i in awaited]  # type: ignore[attr-defined]
+            results = run_concurrently([f.acall(batch) for f in functions], max(f.timeout or 0 for f in functions),
+                                       "--reward-fn " + ", ".join(f.spec for f in functions))
             raws.update({i: scores_tensor(values, device) for i, values in zip(awaited, results)})
         total = torch.zeros(len(batch), dtype=torch.float32, device=device)
         scored = torch.zeros(len(batch), dtype=torch.bool, device=device)
@@ -298,6 +300,8 @@ def check_reward_sources(config: PPOConfig) -> list[RewardFunction]:
     """Load every --reward-fn (files, modules and functions checked) and check --reward-weights'
     count, before any model is loaded; the functions go to `build_reward_source`."""
     functions = load_reward_functions(config.reward_fn, reserved=[REWARD_MODEL])
+    for function in functions:
+        function.timeout = config.reward_timeout or None
     names = ([REWARD_MODEL] if config.reward else []) + [f.name for f in functions]
     if not names:
         raise UserError("no reward source: pass --reward (a reward model folder) and/or --reward-fn "

@@ -3,7 +3,8 @@
 Layout under <output>/checkpoints/:
 
     step_00000012/            DCP shards of every engine's model + optimizer state
-    step_00000012/host_rank{r}.pt   per-rank host state: RNG, schedules, loss scale, data position
+    step_00000012/host_rank{r}.pt   per-rank host state: RNG, schedules, loss scale, data position,
+                              the run's config (what `--resume` compares its own with)
     latest                    name of the newest complete checkpoint (replaced atomically)
 
 A checkpoint is written to `step_N.tmp/` and renamed once every rank has finished, so an
@@ -12,6 +13,10 @@ DCP's `.metadata` (written after every shard) and rank 0's host state; resume ta
 `latest` names when it is complete, else the newest complete one, so a broken or missing
 `latest` never makes a run start over while a usable checkpoint exists. Folders are deleted by
 renaming them to `*.old` first, so a deletion cut short leaves nothing that looks usable.
+
+Resume reads nothing with a plain unpickler (engine/safe_unpickle.py), and a complete checkpoint
+that still does not load (a truncated shard, a damaged index, another model's shapes) is named in
+one warning and the complete one before it is used (`Checkpointer.resume`).
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fileio import honour_umask, replace_file
+from rlhf.engine.safe_unpickle import (
+    SafeLoadPlanner, UnsafeCheckpoint, ValidatedReader, read_dcp_metadata, read_host_state, unsafe_reason,
+)
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
@@ -85,6 +94,27 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
+def named_latest(root: Path) -> Path | None:
+    """The folder the `latest` file names, or None when the file is absent or unreadable."""
+    try:
+        name = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if name and "/" not in name and name not in (".", "..") else None
+
+
+def resume_order(root: Path) -> list[Path]:
+    """The checkpoints `--resume` tries, in order: the one `latest` names when it is complete
+    (else the newest complete one), then each complete one before it, newest first. Complete
+    ones after it (a run resumed from an earlier one) are not: their steps run again."""
+    complete = complete_checkpoints(root)
+    named = named_latest(root)
+    first = named if named is not None and is_complete(named) else (complete[-1] if complete else None)
+    if first is None:
+        return []
+    return [first, *(p for p in reversed(complete) if (checkpoint_step(p) or 0) < (checkpoint_step(first) or 0))]
+
+
 def discard(path: Path) -> None:
     """Delete a checkpoint folder: renamed to `*.old` first (atomic), then removed, so an
     interrupted deletion never leaves a half-deleted `step_N` behind."""
@@ -99,15 +129,19 @@ def discard(path: Path) -> None:
 class Checkpointer:
     """Saves and restores the state of a stage's engines plus its loop position."""
 
-    def __init__(self, root: str | Path, ctx: DistributedContext, keep: int = 2) -> None:
+    def __init__(self, root: str | Path, ctx: DistributedContext, keep: int = 2,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.root = Path(root)
         self.ctx = ctx
         self.keep = max(1, keep)
+        # Saved in every checkpoint's host state: what `--resume` compares its config with
+        # (`saved_run_config`), whatever has become of config.yaml since.
+        self.run_config = run_config
 
     def latest(self) -> Path | None:
         """The checkpoint to resume from: the one `latest` names when it is complete, else the
         newest complete one (with a warning); None when there is none."""
-        named = self._named_latest()
+        named = named_latest(self.root)
         if named is not None and is_complete(named):
             return named
         complete = complete_checkpoints(self.root)
@@ -117,14 +151,6 @@ class Checkpointer:
         log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.root / "latest", what,
                     complete[-1].name)
         return complete[-1]
-
-    def _named_latest(self) -> Path | None:
-        """The folder the `latest` file names, or None when the file is absent or unreadable."""
-        try:
-            name = (self.root / "latest").read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        return self.root / name if name and "/" not in name and name not in (".", "..") else None
 
     def save(self, step: int, engines: dict[str, TrainEngine], loop_state: dict[str, Any]) -> Path:
         """Write a checkpoint for optimizer step `step` (collective: every rank calls it)."""
@@ -140,6 +166,7 @@ class Checkpointer:
             "engines": {name: e.host_state() for name, e in engines.items()},
             "loop": loop_state,
             "world_size": self.ctx.world_size,
+            "config": self.run_config,
         }
         torch.save(host, tmp / f"host_rank{self.ctx.rank}.pt")
         self.ctx.barrier()
@@ -171,22 +198,96 @@ class Checkpointer:
         for old in complete[: max(0, len(complete) - self.keep)]:
             discard(old)
 
+    def resume(self, engines: dict[str, TrainEngine]) -> tuple[Path, dict[str, Any]] | None:
+        """Restore the newest checkpoint that loads (collective): (its folder, its loop state);
+        None when there is no complete checkpoint. One that does not load (a damaged shard or
+        index, another model's shapes, a file naming code to run) is named in one warning and
+        the complete one before it is tried; UserError when none loads."""
+        if self.latest() is None:  # (its warning, when `latest` names no complete checkpoint)
+            return None
+        candidates = resume_order(self.root)
+        failed: list[str] = []
+        for i, path in enumerate(candidates):
+            try:
+                return path, self.load(path, engines)
+            except UnloadableCheckpoint as exc:
+                failed.append(f"{path.name}: {exc}")
+                then = (f"resuming from the newest complete earlier checkpoint, {candidates[i + 1].name}"
+                        if i + 1 < len(candidates) else "no earlier checkpoint to resume from")
+                if self.ctx.is_main:  # every rank agreed on it (`_agree`): one line for the job
+                    log.warning("resume: %s cannot be loaded (%s); %s", path, exc, then)
+        raise UserError(f"--resume: no checkpoint in {self.root} can be loaded ({'; '.join(failed)}); delete "
+                        f"{self.root} to train from the start, or choose another --output")
+
     def load(self, path: Path, engines: dict[str, TrainEngine]) -> dict[str, Any]:
-        """Restore engines, RNG and return the saved loop state (collective)."""
+        """Restore engines, RNG and return the saved loop state (collective). Nothing is read
+        with a plain unpickler (engine/safe_unpickle.py). The ranks agree after reading their
+        files and after restoring: a failure on any rank is UnloadableCheckpoint on every rank
+        (its engines may hold part of the checkpoint: a later load overwrites all of it); a
+        world size that differs is a UserError."""
         host_file = path / f"host_rank{self.ctx.rank}.pt"
-        if not host_file.is_file():
-            raise UserError(f"{path}: no host state for rank {self.ctx.rank}; resume with the world size it was saved with")
-        host = torch.load(host_file, weights_only=False)
-        if host["world_size"] != self.ctx.world_size:
-            raise UserError(
-                f"{path}: saved with world size {host['world_size']}, resuming with {self.ctx.world_size}; "
-                "use the same --nproc-per-node"
-            )
+        host: dict[str, Any] = {}
+        metadata = None
+        verdict = ("ok", "")
+        try:
+            if not host_file.is_file():
+                raise UserError(f"{path}: no host state for rank {self.ctx.rank}; resume with the world size it was "
+                                "saved with")
+            host = read_host_state(host_file)
+            if host["world_size"] != self.ctx.world_size:
+                raise UserError(f"{path}: saved with world size {host['world_size']}, resuming with "
+                                f"{self.ctx.world_size}; use the same --nproc-per-node")
+            metadata = read_dcp_metadata(path / METADATA)
+        except UserError as exc:
+            verdict = ("user", str(exc))
+        except UnsafeCheckpoint as exc:
+            verdict = ("unloadable", str(exc))
+        self._agree(verdict)
         state = {name: e.sharded_state() for name, e in engines.items()}
-        dcp.load(state, checkpoint_id=str(path))
-        for name, e in engines.items():
-            e.load_sharded_state(state[name])
-            e.load_host_state(host["engines"][name])
-        set_rng_state(host["rng"])
+        try:
+            dcp.load(state, storage_reader=ValidatedReader(path, metadata), planner=SafeLoadPlanner())
+            for name, e in engines.items():
+                e.load_sharded_state(state[name])
+                e.load_host_state(host["engines"][name])
+            set_rng_state(host["rng"])
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: the checkpoint's reason
+            verdict = ("unloadable", load_failure(exc))
+        self._agree(verdict)
         log.info("resumed from %s", path)
         return host["loop"]
+
+    def _agree(self, verdict: tuple[str, str]) -> None:
+        """Every rank raises the same error when any rank's `verdict` is not ("ok", ""): a
+        UserError before an UnloadableCheckpoint, the lowest rank's message."""
+        verdicts = self.ctx.all_gather_object(verdict) if self.ctx.world_size > 1 else [verdict]
+        for kind, error in (("user", UserError), ("unloadable", UnloadableCheckpoint)):
+            for rank, (got, message) in enumerate(verdicts):  # type: ignore[misc]
+                if got == kind:
+                    raise error(message if len(verdicts) == 1 else f"rank {rank}: {message}")
+
+
+class UnloadableCheckpoint(Exception):
+    """A complete checkpoint that cannot be restored; the message says why, in one line."""
+
+
+def load_failure(exc: BaseException) -> str:
+    """One line for what stopped a load: the first failing rank's exception inside DCP's
+    CheckpointException (whose text is a traceback per rank), else the exception's first line."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return str(exc) if isinstance(exc, UnsafeCheckpoint) else unsafe_reason(exc)
+
+
+def saved_run_config(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(checkpoint, config) of the newest checkpoint `--resume` would try that holds the run's
+    config; None when none does (no checkpoint yet, or saved before checkpoints held it). Read
+    on one rank before any engine exists; an unreadable checkpoint is skipped here and named by
+    `Checkpointer.resume`."""
+    for path in resume_order(root):
+        try:
+            config = read_host_state(path / "host_rank0.pt", lazy=True).get("config")
+        except UnsafeCheckpoint:
+            continue
+        if isinstance(config, dict):
+            return path, config
+    return None

@@ -488,3 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         if error is None or debug_enabled():
             raise
         _exit_with(error)
+    finally:  # an output folder's lock (rlhf/output_lock.py), when the command ends in this process
+        locks = sys.modules.get("rlhf.output_lock")
+        if locks is not None:
+            locks.release_all()

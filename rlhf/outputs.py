@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import yaml
 from rlhf.config import leaf_fields, save_config, to_dict
 from rlhf.engine.fileio import replace_file
 from rlhf.errors import UserError
+from rlhf.output_lock import lock_output
 
 DONE = "DONE"
 
@@ -26,19 +28,52 @@ def is_done(output: str | Path) -> bool:
 
 
 def prepare_output(output: str | Path, resume: bool) -> Path:
-    """Create the output folder; refuse to reuse one that holds a run unless resuming."""
+    """Create the output folder and take its lock (rlhf/output_lock.py; the caller releases it
+    when it refuses the folder); refuse a folder another run holds, one that holds a run unless
+    resuming, and one with a symlink out of it."""
     if not str(output):
         raise UserError("--output is required: the folder this stage writes to")
-    path = Path(output)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"--output {path}: exists and is not a folder")
-    holds_run = path.is_dir() and any((path / n).exists() for n in ("metrics.jsonl", "checkpoints", "model", DONE))
+    path = create_folder(Path(output))
+    lock_output(path)
+    refuse_links_out(path)
+    holds_run = any((path / n).exists() for n in ("metrics.jsonl", "checkpoints", "model", DONE))
     if holds_run and not resume:
         raise UserError(
             f"--output {path}: already holds a run; pass --resume to continue it, or choose another --output"
         )
-    path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def create_folder(path: Path, what: str = "--output") -> Path:
+    """`path` as an existing folder (created with its parents); one line for a file there or a
+    symlink to nothing (other errors, a read-only parent, are the CLI's one line for them)."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{what} {path}: a symbolic link to {os.readlink(path)}, which does not exist; create "
+                        f"that folder, remove the link, or choose another {what}")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a folder above it is a file or a link to nothing
+        raise UserError(f"{what} {path}: cannot create the folder (a folder above it is a file or a symbolic link "
+                        f"to nothing); choose another {what}") from None
+    return path
+
+
+def refuse_links_out(folder: Path, what: str = "--output") -> None:
+    """One line for a symbolic link in `folder` (at any depth, not followed) that leads out of
+    it: the run would write, or append, to wherever it points. Links that stay inside are kept."""
+    root = os.path.realpath(folder)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in [*dirnames, *filenames]:
+            link = Path(dirpath) / name
+            if not link.is_symlink():
+                continue
+            target = os.path.realpath(link)
+            if os.path.commonpath([root, target]) != root:
+                raise UserError(f"{what} {folder}: {link.relative_to(folder)} is a symbolic link to "
+                                f"{os.readlink(link)}, outside the folder; a run writes only inside its folder: "
+                                "remove the link")
 
 
 NON_FINITE = "non_finite"
@@ -83,9 +118,10 @@ def write_config(output: Path, config: Any) -> None:
     replace_file(tmp, output / "config.yaml")
 
 
-# The fields `--resume` may change. Every other field must equal the run's config.yaml, since a
-# resumed run must continue the run it resumes (same weights, data order and schedule); a
-# changed one is refused with the list of changes. Each entry says why changing it is safe.
+# The fields `--resume` may change. Every other field must equal the run's saved config (the one
+# inside the checkpoint it resumes from, else config.yaml), since a resumed run must continue the
+# run it resumes (same weights, data order and schedule); a changed one is refused with the list
+# of changes. Each entry says why changing it is safe.
 RESUME_SAFE_FIELDS: dict[str, str] = {
     "resume": "the flag asking for the resume itself",
     "output": "names the run's folder, which may be reached by another path (relative, moved)",
@@ -127,16 +163,23 @@ def read_saved_config(output: str | Path) -> dict[str, Any]:
     return data
 
 
+def config_as_saved(config: Any) -> dict[str, Any]:
+    """`config` as plain data, as config.yaml reads back (a YAML round trip): what a checkpoint
+    stores and what `resume_config_changes` compares."""
+    return yaml.safe_load(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resume_config_changes(saved: dict[str, Any], config: Any) -> list[str]:
-    """`--flag old -> new` for each field of `config` that differs from the saved config.yaml
-    (`saved`), outside RESUME_SAFE_FIELDS. Values are compared as config.yaml holds them (a YAML
-    round trip); a field the saved file lacks (written by an older version) is not compared."""
-    current = yaml.safe_load(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """`--flag old -> new` for each field of `config` that differs from the run's saved config
+    (`saved`: a checkpoint's, or config.yaml), outside RESUME_SAFE_FIELDS. Values are compared as
+    config.yaml holds them (a YAML round trip); a field `saved` lacks (an older version's) is not
+    compared."""
+    current = config_as_saved(config)
     changes = []
     for info in leaf_fields(type(config)):
         if info.name in RESUME_SAFE_FIELDS:

@@ -3,6 +3,7 @@ cannot be reached within --wandb-init-timeout seconds) and TensorBoard."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import netrc
@@ -81,23 +82,50 @@ class MetricsFile:
         self.path = path
 
     def truncate_after(self, step: int) -> int:
-        """On resume: drop rows logged after `step` (they will be logged again); returns how many."""
+        """On resume: drop rows logged after `step` (they will be logged again); returns how many.
+        A line that is not a JSON object (the torn last line a kill mid-append leaves) is dropped
+        too, counted in a warning with its line numbers."""
         if not self.path.is_file():
             return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
-            if line.strip() and json.loads(line).get("step", 0) > step:
+        kept, dropped, torn = [], 0, []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict):
+                torn.append(number)
+            elif row.get("step", 0) > step:
                 dropped += 1
-            elif line.strip():
+            else:
                 kept.append(line)
+        if torn:
+            log.warning("resume: %s: %d unreadable row%s dropped (line %s; the torn write a killed run leaves)",
+                        self.path.name, len(torn), "" if len(torn) == 1 else "s", ", ".join(map(str, torn[:10])))
         tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.unlink(missing_ok=True)  # never written through a link left at the temporary name
         tmp.write_text("".join(f"{k}\n" for k in kept))
         replace_file(tmp, self.path)
         return dropped
 
     def write(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
+        with open_append(self.path) as f:
             f.write(strict_json({k: _jsonable(v) for k, v in row.items()}) + "\n")
+
+
+def open_append(path: Path) -> Any:
+    """`path` opened for appending text, refusing (one line) to follow a symbolic link there: a
+    link placed in the output folder would make the run write outside it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UserError(f"{path}: is a symbolic link (to {os.readlink(path)}); a run writes only inside its "
+                        "output folder: remove the link") from None
+    return os.fdopen(fd, "a")
 
 
 class Tracker:
@@ -148,7 +176,7 @@ class Tracker:
         """Sample generations etc.: a W&B table (and a JSON line in samples.jsonl)."""
         if not self.is_main:
             return
-        with (self.metrics.path.parent / "samples.jsonl").open("a") as f:
+        with open_append(self.metrics.path.parent / "samples.jsonl") as f:
             for r in rows:
                 f.write(strict_json({"step": step, "table": name, **dict(zip(columns, r))}) + "\n")
         if self._wandb is not None:

@@ -33,7 +33,8 @@ from rlhf.config import (
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.outputs import is_done, read_summary, write_json_atomic
+from rlhf.output_lock import lock_output, release_output
+from rlhf.outputs import create_folder, is_done, read_summary, refuse_links_out, write_json_atomic
 
 log = get_logger(__name__)
 
@@ -309,6 +310,22 @@ def make_base_model(cfg: E2EConfig, base: Path) -> None:
                     num_layers=cfg.tiny_layers, num_heads=heads, num_kv_heads=max(1, heads // 2), max_positions=256)
 
 
+def claim_run_folder(run_dir: Path, ctx: DistributedContext) -> None:
+    """Rank 0: the run folder created and locked, one e2e per folder (each stage also locks its
+    own); refused, in one line on every rank, when another run holds it or a link leads out of it."""
+    error = ""
+    if ctx.is_main:
+        try:
+            lock_output(create_folder(run_dir))
+            refuse_links_out(run_dir)
+        except UserError as exc:
+            release_output(run_dir)
+            error = str(exc)
+    error = str(ctx.broadcast_object(error))
+    if error:
+        raise UserError(error)
+
+
 def prepare_base_and_data(cfg: E2EConfig, run_dir: Path, ctx: DistributedContext) -> None:
     """The base model (preset or tiny; none with --model) and, for the built-in task, its dataset
     files (made once, on rank 0)."""
@@ -337,6 +354,7 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     sft, reward, ppo = stages["sft"], stages["reward"], stages["ppo"]
     # One process group for every stage: its collective timeout is the longest any stage asks for.
     ctx = DistributedContext.initialize(max(stage.engine.dist_timeout for stage in stages.values()))
+    claim_run_folder(run_dir, ctx)
     prepare_base_and_data(cfg, run_dir, ctx)
     group = wandb_group(run_dir, ctx)
     for stage in stages.values():
@@ -367,6 +385,8 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     if ctx.is_main:
         write_json_atomic(run_dir / "summary.json", summary)
     ctx.barrier()
+    if ctx.is_main:
+        release_output(run_dir)
     return summary
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints
+from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints, saved_run_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.host_memory import populate_heap
@@ -34,9 +34,10 @@ from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.output_lock import release_output
 from rlhf.outputs import (
-    RESUME_SAFE_FIELDS, is_done, mark_done, prepare_output, read_saved_config, read_summary, resume_config_changes,
-    unmark_done, write_config, write_summary,
+    RESUME_SAFE_FIELDS, config_as_saved, is_done, mark_done, prepare_output, read_saved_config, read_summary,
+    resume_config_changes, unmark_done, write_config, write_summary,
 )
 from rlhf.tracking import MetricsFile, Tracker
 
@@ -79,6 +80,8 @@ def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
         except UserError as exc:
             verdict = ("error", str(exc))
     kind, message = ctx.broadcast_object(verdict)  # type: ignore[misc]
+    if kind != "train" and ctx.is_main:
+        release_output(Path(config.output))
     if kind == "error":
         raise UserError(message)
     if kind == "finished":
@@ -94,21 +97,31 @@ def claim_output(config: RunConfig, stage: str) -> tuple[str, str]:
     """Rank 0: create the output folder, or check a resumed one. ("train", "") to go on;
     ("finished", line) for a finished run that --resume has nothing to add to. Raises UserError
     for a changed config (outside RESUME_SAFE_FIELDS), or a finished run to extend that kept no
-    checkpoint. Writes nothing but the folder itself, and DONE's removal when extending."""
+    checkpoint. Writes nothing but the folder itself, its lock, and DONE's removal when extending.
+
+    The config is compared with the one saved inside the checkpoint the resume starts from, so
+    a deleted or edited config.yaml changes nothing; config.yaml only when no checkpoint holds
+    one (none yet, or an older version's)."""
     output = prepare_output(config.output, config.resume)
     if not config.resume:
         return "train", ""
-    saved = read_saved_config(output)
+    checkpointed = saved_run_config(output / "checkpoints")
+    if checkpointed is None:
+        saved, source = read_saved_config(output), "its config.yaml"
+    else:
+        saved, source = checkpointed[1], f"the config saved in {checkpointed[0].relative_to(output)}"
     changes = resume_config_changes(saved, config)
     if changes:
         safe = " ".join("--" + name.replace("_", "-") for name in RESUME_SAFE_FIELDS)
         raise UserError(
-            f"--resume {output}: the config differs from its config.yaml: {'; '.join(changes)}; resume with the "
+            f"--resume {output}: the config differs from {source}: {'; '.join(changes)}; resume with the "
             f"run's values or choose another --output (changeable on resume: {safe})"
         )
     if not is_done(output):
         return "train", ""
-    if not extends_training(saved, output, config):
+    # How long the finished run was: config.yaml, rewritten by each resume, knows an extension
+    # that saved no checkpoint at its end; the checkpoint's config when config.yaml is gone.
+    if not extends_training(saved if checkpointed is None else readable_config(output) or saved, output, config):
         return "finished", (f"rlhf {stage}: {output} is already finished (DONE); nothing to do, nothing changed. "
                             "To train further, --resume with a larger --max-steps or --epochs")
     if not complete_checkpoints(output / "checkpoints"):
@@ -117,6 +130,14 @@ def claim_output(config: RunConfig, stage: str) -> tuple[str, str]:
     unmark_done(output)
     log.info("--resume: extending the finished run in %s", output)
     return "train", ""
+
+
+def readable_config(output: Path) -> dict[str, Any]:
+    """config.yaml as plain data; {} when it is missing or unreadable."""
+    try:
+        return read_saved_config(output)
+    except UserError:
+        return {}
 
 
 def extends_training(saved: dict[str, Any], output: Path, config: RunConfig) -> bool:
@@ -145,7 +166,7 @@ def open_run(config: RunConfig, ctx: DistributedContext, output: Path, stage: st
     if ctx.is_main:
         write_config(output, config)
     tracker = Tracker(output, stage, config.tracking, to_dict(config), ctx.is_main)
-    return tracker, Checkpointer(output / "checkpoints", ctx, config.keep_checkpoints)
+    return tracker, Checkpointer(output / "checkpoints", ctx, config.keep_checkpoints, config_as_saved(config))
 
 
 def engine_summary(engine: TrainEngine) -> dict[str, Any]:
@@ -159,13 +180,16 @@ def engine_summary(engine: TrainEngine) -> dict[str, Any]:
 
 
 def finish_stage(ctx: DistributedContext, output: Path, tracker: Tracker, summary: dict[str, Any]) -> None:
-    """summary.json, tracker summary, then DONE (last, atomically); every rank waits for it."""
+    """summary.json, tracker summary, then DONE (last, atomically); every rank waits for it. The
+    output folder's lock goes last."""
     if ctx.is_main:
         write_summary(output, summary)
         tracker.summary(summary)
         mark_done(output)
     tracker.finish()
     ctx.barrier()
+    if ctx.is_main:
+        release_output(output)
 
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int, num_eval: int = 0,
@@ -228,18 +252,18 @@ def resume_from_latest(
     config: RunConfig, ctx: DistributedContext, checkpointer: Checkpointer, engines: dict[str, TrainEngine],
     tracker: Tracker,
 ) -> dict[str, Any] | None:
-    """With --resume, restore the newest complete checkpoint (engines, optimizers, RNG) and return
-    its loop state; None when starting fresh. Metrics and sample rows logged after the
-    checkpoint's step (after step 0 when there is no checkpoint) are removed first, since those
-    steps run again (nothing is logged twice)."""
+    """With --resume, restore the newest checkpoint that loads (engines, optimizers, RNG;
+    `Checkpointer.resume`) and return its loop state; None when starting fresh. Metrics and
+    sample rows logged after the checkpoint's step (after step 0 when there is no checkpoint)
+    are removed first, since those steps run again (nothing is logged twice)."""
     if not config.resume:
         return None
-    latest = checkpointer.latest()
-    if latest is None:
+    resumed = checkpointer.resume(engines)
+    if resumed is None:
         log.info("--resume: no complete checkpoint in %s, starting from scratch", checkpointer.root)
         drop_rows_after(tracker, 0, ctx)
         return None
-    loop_state = checkpointer.load(latest, engines)
+    latest, loop_state = resumed
     # Checkpoints from before "step" was saved: the folder is named after the step (step_00000012).
     drop_rows_after(tracker, int(loop_state.get("step", latest.name.rsplit("_", 1)[-1])), ctx)
     return loop_state

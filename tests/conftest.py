@@ -156,3 +156,16 @@ def one_and_two_rank_metrics(args: list[str], tmp_path: Path) -> tuple[dict, dic
                    "--inference-tp-size", "2"], nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     return read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
+
+
+_HOLD_LOCK = ("import sys, time; from pathlib import Path; from rlhf.output_lock import lock_output; "
+              "lock_output(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)")
+
+
+def hold_output_lock(folder: Path) -> subprocess.Popen:
+    """Another process holding `folder`'s output lock (rlhf/output_lock.py), as a running stage
+    does, until the caller kills it."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.cli import main
-from tests.conftest import write_jsonl
+from tests.conftest import hold_output_lock, write_jsonl
 
 NOISE = re.compile(r"^(\d\d:\d\d:\d\d (\[rank\d+\] )?INFO |.*\d+%\|.*\||.* examples/s\]$)")
 
@@ -54,6 +55,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str, 
     (root / "empty_model").mkdir()
     (root / "model.gguf").write_bytes(b"GGUF\x03\x00")
     (root / "a_file").write_text("x")
+    (root / "dangling").symlink_to(root / "nowhere")
 
     rows = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(16)]
     write_jsonl(root / "sft.jsonl", rows)
@@ -236,6 +238,10 @@ OUTPUTS = [
     ("output-read-only", sft(), "permission denied"),
     ("output-disk-full", sft(), "no space left on"),
     ("ppo-output-read-only", ppo(), "permission denied"),
+    ("output-dangling-link", sft("--output", "{dangling}"), "a symbolic link to"),
+    ("output-link-out", sft(), "metrics.jsonl is a symbolic link to"),
+    ("output-locked", sft(), "in use by another run (pid"),
+    ("e2e-output-locked", E2E, "in use by another run (pid"),
 ]
 
 CASES = FLAGS + FILES + MODELS + GENERATION + OUTPUTS
@@ -253,6 +259,8 @@ def tree_digest(root: Path) -> dict[str, str]:
             out[key] = "link:" + os.readlink(path)
         elif path.is_dir():
             out[key] = "dir"
+        elif path.is_char_device():  # the disk-full case's /dev/full node: read, it never ends
+            out[key] = f"char:{os.stat(path).st_rdev}"
         else:
             out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
@@ -276,15 +284,25 @@ def output(case_id: str, tmp_path: Path) -> Iterator[Path]:
     if case_id == "output-holds-a-run":
         (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     if case_id == "output-disk-full":
-        if not Path("/dev/full").exists():
-            pytest.skip("no /dev/full to fill the disk with")
-        (out / "config.yaml.tmp").symlink_to("/dev/full")  # the stage's first write: ENOSPC at once
+        # The stage's first write, config.yaml.tmp, is a /dev/full node: ENOSPC at once. (A symlink
+        # to /dev/full would be refused first: no link may lead out of an output folder.)
+        try:
+            os.mknod(out / "config.yaml.tmp", stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        except OSError:
+            pytest.skip("cannot make a /dev/full device node here (needs root)")
+    if case_id == "output-link-out":
+        (out / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    holder = hold_output_lock(out) if case_id.endswith("output-locked") else None
     locked = case_id.endswith("read-only") and _immutable(out, True)
     if case_id.endswith("read-only") and not locked:
         pytest.skip("cannot make a folder read-only here (chattr)")
     yield out
     if locked:
         _immutable(out, False)
+    if holder is not None:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "elsewhere.jsonl").exists()
 
 
 @pytest.fixture

@@ -2,15 +2,27 @@
 falls back to the newest complete checkpoint, rows of steps that run again are dropped, and a
 config change is refused (except the fields documented as safe in `RESUME_SAFE_FIELDS`).
 
+Resume also validates what it reads: a checkpoint that does not load (a truncated shard, random
+bytes in `.metadata`, another model's shapes) is named and the one before it used; a torn last
+metrics line is dropped and counted; the config is compared with the one inside the checkpoint;
+and a crafted pickle (a `__reduce__` that writes a marker file) runs nothing.
+
 Tiny Llama SFT runs (a few seconds each); one finished run with checkpoints at steps 2, 4, 6 is
 built once per module and copied by each test.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import pickle
+import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +31,7 @@ from safetensors.torch import load_file
 
 from rlhf.cli import main
 from rlhf.engine.checkpoint import METADATA, Checkpointer, checkpoint_step, is_complete
+from rlhf.engine.safe_unpickle import SafeLoadPlanner, UnsafeCheckpoint, read_host_state
 from tests.conftest import read_metrics, run_cli, train_losses
 
 ARGS = ["--max-steps", "6", "--lr", "3e-3", "--report-to", "none", "--optimizer-impl", "torch",
@@ -198,3 +211,189 @@ def test_resume_on_a_finished_ppo_run_changes_nothing(tiny_model_dirs, tmp_path,
     with pytest.raises(SystemExit) as exc:
         main([*args, "--resume"])
     assert exc.value.code == 0 and snapshot(run) == before
+
+
+# ------------------------------------------------------------- what resume reads
+
+
+@pytest.fixture
+def rlhf_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the `rlhf` loggers (which do not propagate to the root logger)."""
+    logger = logging.getLogger("rlhf")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def other_model_dcp(sft_data, tmp_path_factory, one_thread) -> Path:
+    """A step-2 checkpoint of a wider model (hidden size 64, not 32) trained on the same data."""
+    from rlhf.models.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("other")
+    model = save_tiny_model(root / "model", "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    main(sft_args(model, sft_data, root / "run", *ARGS, "--max-steps", "2", "--save-interval", "2"))
+    return root / "run" / "checkpoints" / "step_00000002"
+
+
+def damage(checkpoint: Path, how: str, other: Path) -> None:
+    if how == "truncated-shard":
+        shard = max(checkpoint.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    elif how == "metadata-random-bytes":
+        (checkpoint / METADATA).write_bytes(random.Random(0).randbytes(4096))
+    else:  # another model's shards and index under this run's host state
+        for path in [*checkpoint.glob("*.distcp"), checkpoint / METADATA]:
+            path.unlink()
+        for path in [*other.glob("*.distcp"), other / METADATA]:
+            shutil.copy(path, checkpoint / path.name)
+
+
+@pytest.mark.parametrize("how", ["truncated-shard", "metadata-random-bytes", "other-model"])
+def test_a_checkpoint_that_does_not_load_is_named_and_the_one_before_it_used(
+        how, finished, other_model_dcp, tiny_model_dirs, sft_data, tmp_path, rlhf_log):
+    run = cut_back(finished, tmp_path / "run", latest="step_00000006")
+    damage(run / "checkpoints" / "step_00000006", how, other_model_dcp)
+    main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"])
+    named = logged(rlhf_log, "cannot be loaded")
+    assert len(named) == 1 and "step_00000006" in named[0] and "earlier checkpoint, step_00000004" in named[0], named
+    assert "\n" not in named[0]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 7))
+    assert train_losses(run) == pytest.approx(train_losses(finished), abs=1e-6)
+    x, y = load_file(finished / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_when_no_checkpoint_loads_the_run_stops_in_one_line(finished, other_model_dcp, tiny_model_dirs, sft_data,
+                                                            tmp_path, capsys):
+    run = cut_back(finished, tmp_path / "run", latest="step_00000006")
+    for step, how in ((2, "other-model"), (4, "truncated-shard"), (6, "metadata-random-bytes")):
+        damage(run / "checkpoints" / f"step_{step:08d}", how, other_model_dcp)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no checkpoint in" in errors[0], errors
+    assert all(f"step_{s:08d}" in errors[0] for s in (2, 4, 6)), errors
+    assert not (run / "model").exists() and not (run / "DONE").exists()
+
+
+def test_a_torn_last_line_is_dropped_and_counted(finished, tiny_model_dirs, sft_data, tmp_path, rlhf_log):
+    run = cut_back(finished, tmp_path / "run", latest="step_00000004")
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 7, "lo')  # killed mid-append
+    (run / "samples.jsonl").write_text('{"step": 1, "table": "samples"}\n{"step": 2, "tab')
+    main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"])
+    assert len(logged(rlhf_log, "metrics.jsonl: 1 unreadable row dropped (line 7")) == 1
+    assert len(logged(rlhf_log, "samples.jsonl: 1 unreadable row dropped (line 2")) == 1
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 7))
+    assert train_losses(run) == pytest.approx(train_losses(finished), abs=1e-6)
+    assert (run / "samples.jsonl").read_text() == '{"step": 1, "table": "samples"}\n'
+
+
+@pytest.mark.parametrize("config_yaml", ["edited", "deleted"])
+def test_the_config_check_reads_the_checkpoint_not_config_yaml(config_yaml, finished, tiny_model_dirs, sft_data,
+                                                               tmp_path, capsys):
+    """`--resume --lr 1.0` after config.yaml was edited to say lr 1.0, or deleted, is still caught."""
+    run = cut_back(finished, tmp_path / "run", latest="step_00000004")
+    config = run / "config.yaml"
+    if config_yaml == "edited":
+        data = yaml.safe_load(config.read_text())
+        data["engine"]["lr"] = 1.0  # as if the run had been started with --lr 1.0
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+    else:
+        config.unlink()
+    before = snapshot(run)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED, "--lr", "1.0"), "--resume"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--lr 0.003 -> 1.0" in err, err
+    assert "the config saved in checkpoints/step_00000004" in err, err
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_without_a_saved_config_loads_and_is_checked_against_config_yaml(
+        finished, tiny_model_dirs, sft_data, tmp_path, capsys):
+    """Checkpoints written before the config was saved in them (the same torch.save host state
+    without "config") load with weights_only=True; their run is checked against config.yaml."""
+    run = cut_back(finished, tmp_path / "run", latest="step_00000004")
+    for checkpoint in (run / "checkpoints").glob("step_*"):
+        host = read_host_state(checkpoint / "host_rank0.pt")
+        del host["config"]
+        torch.save(host, checkpoint / "host_rank0.pt")
+    with pytest.raises(SystemExit) as exc:
+        main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED, "--lr", "1e-2"), "--resume"])
+    assert exc.value.code == 2 and "differs from its config.yaml: --lr 0.003 -> 0.01" in capsys.readouterr().err
+    main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"])
+    assert train_losses(run) == pytest.approx(train_losses(finished), abs=1e-6)
+
+
+class WritesMarker:
+    """Unpickled, it runs `touch <marker>`: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("where", ["host_rank0.pt", "host_rank0.pt-plain-pickle", ".metadata"])
+def test_a_crafted_pickle_runs_nothing_and_stops_the_run_in_one_line(where, finished, tiny_model_dirs, sft_data,
+                                                                     tmp_path, capsys):
+    marker = tmp_path / "marker"
+    pickle.loads(pickle.dumps(WritesMarker(marker)))  # the premise: unpickled freely, it runs
+    assert marker.exists()
+    marker.unlink()
+    run = cut_back(finished, tmp_path / "run", latest="step_00000006")
+    for checkpoint in (run / "checkpoints").glob("step_*"):
+        if where == "host_rank0.pt":
+            torch.save({"rng": WritesMarker(marker), "engines": {}, "loop": {}, "world_size": 1},
+                       checkpoint / "host_rank0.pt")
+        else:  # a plain pickle (torch.save's legacy format is one, protocol 2)
+            (checkpoint / where.split("-")[0]).write_bytes(pickle.dumps(WritesMarker(marker), protocol=2))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "names posix.system" in errors[0] and "no checkpoint in" in errors[0], errors
+    assert not marker.exists()
+
+
+def test_a_crafted_non_tensor_item_in_a_shard_runs_nothing(tmp_path):
+    """DCP's own planner reads a shard's non-tensor items with torch.load(weights_only=False)."""
+    marker = tmp_path / "marker"
+    item = io.BytesIO()
+    torch.save(WritesMarker(marker), item)
+    item.seek(0)
+    read_item = SimpleNamespace(dest_index=SimpleNamespace(fqn="sft.optim.param_groups"))
+    with pytest.raises(UnsafeCheckpoint, match="names posix.system"):
+        SafeLoadPlanner().load_bytes(read_item, item)
+    assert not marker.exists()
+
+
+@pytest.mark.slow  # two 2-rank runs: about a minute on 2 cores
+def test_two_ranks_agree_on_a_checkpoint_one_rank_cannot_load(tiny_model_dirs, sft_data, tmp_path):
+    """Rank 1's shard of the newest checkpoint is truncated: both ranks fall back to the one
+    before it together (no hang, one line for the job) and the resumed run is the uninterrupted one."""
+    full, run = tmp_path / "full", tmp_path / "run"
+    done = run_cli(sft_args(tiny_model_dirs["llama"], sft_data, full, *CHECKPOINTED), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut_back(full, run, latest="step_00000006")
+    shard = run / "checkpoints" / "step_00000006" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    resumed = run_cli([*sft_args(tiny_model_dirs["llama"], sft_data, run, *CHECKPOINTED), "--resume"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    named = [line for line in resumed.stderr.splitlines() if "cannot be loaded" in line]
+    assert len(named) == 1 and "step_00000006" in named[0] and "step_00000004" in named[0], resumed.stderr[-3000:]
+    assert train_losses(run) == pytest.approx(train_losses(full), abs=1e-6)

@@ -396,4 +396,5 @@ def test_two_ranks_agree_on_a_checkpoint_one_rank_cannot_load(tiny_model_dirs, s
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     named = [line for line in resumed.stderr.splitlines() if "cannot be loaded" in line]
     assert len(named) == 1 and "step_00000006" in named[0] and "step_00000004" in named[0], resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr and "error:" not in resumed.stderr, resumed.stderr[-3000:]
     assert train_losses(run) == pytest.approx(train_losses(full), abs=1e-6)

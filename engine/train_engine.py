@@ -150,9 +150,11 @@ class TrainEngine:
                                 shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True),
                                 cpu_matmul=config.cpu_matmul)
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
-        # name shared so that every rank raises alike.
-        local_bad = first_non_finite(self.model.named_parameters())
-        bad = next((b for b in ctx.all_gather_object(local_bad) if b is not None), None)
+        # name shared so that every rank raises alike; not again when the loader checked what it read
+        # (`checks_finite`: the app's safetensors loader, whose error names the folder).
+        checked = getattr(weights, "checks_finite", False)
+        local_bad = None if checked else first_non_finite(self.model.named_parameters())
+        bad = None if checked else next((b for b in ctx.all_gather_object(local_bad) if b is not None), None)
         if bad is not None:
             raise UserError(f"{name}: the model to train holds NaN/inf weights (first: {bad}), as a diverged run "
                             "leaves them; start from another model or retrain this one")

@@ -123,7 +123,11 @@ class DataConfig:
     """Separate held-out evaluation data (same formats as data); used instead of eval_split."""
     max_seq_len: int = bounded(512, ge=2)
     """Maximum prompt + response tokens; longer responses are truncated and counted, over-long prompts dropped and
-    counted."""
+    counted.
+
+    At most the model's max_position_embeddings: a larger value is capped there, with one log line, so no row is
+    trained on positions the model has none for.
+    """
     train_on_prompt: bool = False
     """SFT only: include prompt tokens in the loss (by default only response tokens are trained)."""
     train_last_turn_only: bool = False

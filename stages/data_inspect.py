@@ -10,6 +10,7 @@ text with the trained spans marked, and how many rows are kept, truncated and dr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.tokenization import (
     TokenizeStats, encode_pieces, encode_prompt, tokenize_pairs, tokenize_prompts, tokenize_sft,
 )
+from rlhf.models.checks import fit_max_seq_len
 from rlhf.models.loading import load_tokenizer
 
 Stage = Literal["sft", "reward", "ppo"]
@@ -70,6 +72,8 @@ def inspect_data(stage: Stage, model: str, data: DataConfig, rows: int, max_prom
     """The first `rows` rows of `stage`'s share of `data`, rendered with `model`'s tokenizer,
     and the counts of the whole share (every row is tokenized, as the stage does)."""
     tokenizer = load_tokenizer(model, chat_template=data.chat_template)
+    # Capped at the model's positions as the stage caps it, so the counts are the stage's.
+    data = dataclasses.replace(data, max_seq_len=fit_max_seq_len(data.max_seq_len, model, "--model"))
     result = Inspection(stage)
 
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[Any], TokenizeStats]:

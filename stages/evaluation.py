@@ -12,6 +12,7 @@ from rlhf.data.tokenization import encode_prompt
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams
+from rlhf.models.checks import check_tokenizer_fits
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.seeding import derive_seed
 
@@ -23,6 +24,7 @@ def task_success(
 ) -> float:
     """Mean task score of responses sampled at `temperature` (each rank takes a share of the prompts)."""
     tokenizer = load_tokenizer(model_dir)
+    check_tokenizer_fits(tokenizer, model_dir, "--model")
     model = load_causal_lm(model_dir).to(ctx.device).eval()
     mine = prompts[ctx.rank :: ctx.world_size]
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0,

@@ -268,6 +268,10 @@ def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | 
     head_kind = "lm" if stage == "sft" else "value"
     shape = shape_of(config.model, "--model", head_kind, config.lora, s.fused_layers)
     m = trained(shape, config.engine.zero_stage, s)
+    if seq_len is None:  # --max-seq-len, capped at the model's positions as the stage caps it
+        positions = getattr(load_model_config(config.model, "--model").get_text_config(decoder=True),
+                            "max_position_embeddings", None)
+        seq_len = min(config.data.max_seq_len, positions) if isinstance(positions, int) else None
     tokens, eval_tokens, accum = supervised_shapes(config, stage, s.world, seq_len)
     values = 2 * FP32 * tokens  # values [rows, T] and their fp32 copy
     head = lm_loss_bytes(tokens, shape.vocab, s.compute) if head_kind == "lm" else (values, values)

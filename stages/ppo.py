@@ -84,6 +84,7 @@ from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len, max_positions
 from rlhf.models.loading import deferred_causal_lm, load_tokenizer
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.models.value_model import check_reward_model_dir, deferred_value_model_from, value_model_kind
@@ -163,6 +164,27 @@ def check_model_folders(config: PPOConfig) -> None:
             load_tokenizer(config.reward, "--reward"), load_tokenizer(config.actor, "--actor")):
         raise UserError(f"--reward {config.reward}: its tokenizer differs from the actor's, so it cannot be the "
                         "critic (the critic reads the actor's token ids); pass --critic (e.g. the --actor folder)")
+
+
+def check_token_readers(config: PPOConfig, tokenizer: Any, sequence_len: int) -> None:
+    """Every model that reads the actor's token ids (actor, ref, critic) has an embedding row for
+    each id the actor's tokenizer gives, and the ref and critic have positions for rollouts of
+    `sequence_len` tokens (the actor's are checked with its KV cache, `check_rollout_fits`); the
+    --reward model is checked against its own tokenizer. One line each, before any weights are read."""
+    check_tokenizer_fits(tokenizer, config.actor, "--actor")
+    readers = {"--ref": config.ref if config.ref != config.actor else None,
+               "--critic": None if config.critic_free else config.critic or config.reward}
+    for flag, folder in readers.items():
+        if not folder:
+            continue
+        check_tokenizer_fits(tokenizer, folder, flag, "the --actor tokenizer")
+        positions = max_positions(folder)
+        if positions is not None and sequence_len > positions:
+            raise UserError(f"{flag} {folder}: rollouts of up to {sequence_len} tokens (prompt + --max-new-tokens) "
+                            f"exceed its max_position_embeddings {positions}; lower --max-new-tokens or "
+                            "--max-prompt-len")
+    if config.reward:
+        check_tokenizer_fits(load_tokenizer(config.reward, "--reward"), config.reward, "--reward")
 
 
 def check_batch_arithmetic(config: PPOConfig, ctx: DistributedContext) -> None:
@@ -283,6 +305,7 @@ class PPOTrainer:
         check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size,
                            max(map(len, self.prompts.ids)), config.max_new_tokens, config.engine.dtype, ctx.device,
                            config.inference_tp_size, "rlhf ppo")
+        check_token_readers(config, self.tokenizer, max(map(len, self.prompts.ids)) + config.max_new_tokens)
         self.total_iterations = config.max_steps if config.max_steps > 0 else self.plan.steps_per_epoch * config.epochs
         self.build_models()
         self.tracker, self.checkpointer = open_run(config, ctx, output, "ppo")
@@ -331,8 +354,9 @@ class PPOTrainer:
             log.info("ppo: %d prompts do not fill an iteration and wait for the next epoch's shuffle", leftover)
         self.ptx_rows: list[dict] = []
         if config.ptx_data:
+            max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.actor, "--actor")
             self.ptx_rows, _ = tokenize_specs(
-                config.ptx_data, lambda parsed: tokenize_sft(parsed, self.tokenizer, config.data.max_seq_len,
+                config.ptx_data, lambda parsed: tokenize_sft(parsed, self.tokenizer, max_seq_len,
                                                              last_turn_only=config.data.train_last_turn_only),
                 "ptx data")
 

@@ -39,6 +39,7 @@ from rlhf.engine.micro_batches import padded_tokens
 from rlhf.engine.packing import packed_scores, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
 from rlhf.models.loading import disable_dropout, load_tokenizer
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.models.value_model import deferred_value_model_from
@@ -96,10 +97,12 @@ def score_statistics(metrics: dict[str, float]) -> dict[str, float]:
     return {"score_mean": mean, "score_std": math.sqrt(variance)}
 
 
-def load_pair_rows(config: RewardConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
-    """Tokenized (train, eval) pairs of this stage's share of every --data source, and the counts."""
+def load_pair_rows(config: RewardConfig, tokenizer: Any,
+                   max_seq_len: int | None = None) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """Tokenized (train, eval) pairs of this stage's share of every --data source, each sequence
+    cut at `max_seq_len` (default --max-seq-len), and the counts."""
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
-        return tokenize_pairs(parsed, tokenizer, config.data.max_seq_len)
+        return tokenize_pairs(parsed, tokenizer, max_seq_len or config.data.max_seq_len)
 
     rows = load_stage_rows(
         config.data, "reward", config.engine.seed, tokenize,
@@ -148,7 +151,9 @@ def run(config: RewardConfig) -> dict[str, Any]:
     output = start_stage(config, ctx, "reward")
 
     tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
-    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer)
+    check_tokenizer_fits(tokenizer, config.model, "--model")
+    max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
+    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer, max_seq_len)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 
     model, weights = deferred_value_model_from(config.model, config.value_head_init_std)  # on meta: sharded loading

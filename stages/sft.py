@@ -26,6 +26,7 @@ from rlhf.engine.micro_batches import padded_tokens
 from rlhf.engine.packing import packed_logprobs, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
 from rlhf.models.loading import deferred_causal_lm, load_tokenizer
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.stages.trainer import (
@@ -57,10 +58,12 @@ def packed_sft_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
     return -logprobs[target].sum(), float(target.sum()), {}
 
 
-def load_sft_rows(config: SFTConfig, tokenizer: Any) -> tuple[list[dict], list[dict], dict[str, int]]:
-    """Tokenized (train, eval) rows of this stage's share of every --data source."""
+def load_sft_rows(config: SFTConfig, tokenizer: Any,
+                  max_seq_len: int | None = None) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """Tokenized (train, eval) rows of this stage's share of every --data source, cut at
+    `max_seq_len` (default --max-seq-len)."""
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
-        return tokenize_sft(parsed, tokenizer, config.data.max_seq_len, config.data.train_on_prompt,
+        return tokenize_sft(parsed, tokenizer, max_seq_len or config.data.max_seq_len, config.data.train_on_prompt,
                             config.data.train_last_turn_only)
 
     rows = load_stage_rows(config.data, "sft", config.engine.seed, tokenize,
@@ -74,7 +77,9 @@ def run(config: SFTConfig) -> dict[str, Any]:
     output = start_stage(config, ctx, "sft")
 
     tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
-    train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer)
+    check_tokenizer_fits(tokenizer, config.model, "--model")
+    max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
+    train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer, max_seq_len)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows))
     model, weights = deferred_causal_lm(config.model)  # on meta: each rank reads only its shards
     model, weights = with_lora(model, weights, config, config.model, "sft")

@@ -23,7 +23,8 @@ calls tools) becomes "" and never the text "None".
 
 Each stage takes the types it can train on (`STAGE_KINDS`) and refuses the others with one line
 naming the type and the stage that takes it (`require_kind`). A row is parsed exactly or refused:
-never silently changed.
+never silently changed. (A number where text is expected reaches this module as its text already:
+`rlhf.data.sources.numbers_as_text` converts and counts it.)
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import json
 import math
 import logging
 import random
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ log = get_logger(__name__)
 STAGE_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
 SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")  # load_from_disk folders
+TEXT_COLUMNS = ("prompt", "completion", "response", "chosen", "rejected", "text")
+"""Columns the formats (rlhf/data/formats.py) read as text: a number there (a CSV column of
+answers, "completion": 4) is read as its text and counted, never refused."""
+MESSAGE_COLUMNS = ("prompt", "completion", "response", "chosen", "rejected", "messages")
+"""Columns that may hold chat messages, whose `content` is text: a number there is read likewise."""
 
 
 @dataclass
@@ -73,8 +79,10 @@ def read_text_file(path: Path) -> str:
 
 
 def _json_lines(path: Path, text: str) -> list[Any]:
+    """One JSON value per line. Lines end at "\n" (or "\r\n") only: `str.splitlines` also splits at
+    U+2028/U+2029 and U+0085, which a JSON string may hold as they are."""
     rows = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -131,6 +139,61 @@ def _read_failure(path: Path, kind: str, exc: Exception) -> UserError:
     return UserError(f"{path}: could not read as {kind}: {_first_line(exc)}")
 
 
+def _number_text(value: Any) -> str | None:
+    """The text of an int or a finite float (a bool is not a number here), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return str(value) if isinstance(value, int) or math.isfinite(value) else None
+
+
+def _log_read_as_text(label: str, counts: Mapping[str, int]) -> None:
+    for column, n in counts.items():
+        log.info("%s: %d values of column %s were numbers, read as text", label, n, column)
+
+
+def numbers_as_text(rows: Sequence[dict[str, Any]], label: str) -> None:
+    """Numbers in `TEXT_COLUMNS` (and in the content of chat messages) replaced by their text, in
+    place; one log line per column says how many."""
+    counts: Counter[str] = Counter()
+    for data in rows:
+        for column in TEXT_COLUMNS:
+            text = _number_text(data.get(column))
+            if text is not None:
+                data[column] = text
+                counts[repr(column)] += 1
+        for column in MESSAGE_COLUMNS:
+            messages = data.get(column)
+            for message in messages if isinstance(messages, list) else ():
+                text = _number_text(message.get("content")) if isinstance(message, dict) else None
+                if text is not None:
+                    message["content"] = text
+                    counts[f"{column!r} (message content)"] += 1
+    _log_read_as_text(label, counts)
+
+
+def _text_columns(renames: Mapping[str, str] | None) -> set[str]:
+    """The columns of a file that become `TEXT_COLUMNS` once `renames` ({NEW: OLD}) is applied."""
+    renames = renames or {}
+    olds = set(renames.values())
+    return {renames[c] if c in renames else c for c in TEXT_COLUMNS if c in renames or c not in olds}
+
+
+def _csv_rows(datasets: Any, path: Path, text_columns: set[str]) -> list[Any]:
+    """A CSV file's rows; a text column that `datasets` infers as numbers (a column of answers) is
+    read again as strings, so its values are the file's text exactly ("007", "1.50")."""
+    dataset = datasets.load_dataset("csv", data_files=str(path), split="train")
+    numeric = [name for name, feature in dataset.features.items() if name in text_columns
+               and str(getattr(feature, "dtype", "")).startswith(("int", "uint", "float"))]
+    if not numeric:
+        return list(dataset)
+    features = dataset.features.copy()
+    for name in numeric:
+        features[name] = datasets.Value("string")
+    dataset = datasets.load_dataset("csv", data_files=str(path), split="train", features=features)
+    _log_read_as_text(str(path), {repr(name): sum(v is not None for v in dataset[name]) for name in numeric})
+    return list(dataset)
+
+
 def _flag(split_flag: str | None) -> str:
     return f" ({split_flag})" if split_flag else ""
 
@@ -141,9 +204,11 @@ def _pick_split(splits: Mapping[str, Any], label: str, split: str, split_flag: s
     return splits[split]
 
 
-def _file_rows(path: Path, split: str, config: str | None, split_flag: str | None) -> tuple[list[Any], str | None]:
+def _file_rows(path: Path, split: str, config: str | None, split_flag: str | None,
+               text_columns: set[str]) -> tuple[list[Any], str | None]:
     """A single file's rows of `split`, and the split's name where the file names its splits (a
-    .json object of splits); any other file holds only the split "train"."""
+    .json object of splits); any other file holds only the split "train". `text_columns`: the
+    columns read as text (`_csv_rows`)."""
     suffix = path.suffix.lower()
     if suffix not in DATA_FILE_TYPES:
         raise UserError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl, .parquet or .csv")
@@ -156,10 +221,11 @@ def _file_rows(path: Path, split: str, config: str | None, split_flag: str | Non
             return _pick_split(data, str(path), split, split_flag), split
         rows: list[Any] = data
     else:
-        load_dataset = import_dependency("datasets", f"{path}: reading {suffix[1:]}").load_dataset
+        datasets = import_dependency("datasets", f"{path}: reading {suffix[1:]}")
         try:
             with _quiet_datasets():
-                rows = list(load_dataset(suffix[1:], data_files=str(path), split="train"))
+                rows = (_csv_rows(datasets, path, text_columns) if suffix == ".csv"
+                        else list(datasets.load_dataset(suffix[1:], data_files=str(path), split="train")))
         except Exception as exc:  # datasets raises many types for bad files
             raise _read_failure(path, suffix[1:], exc) from None
     if split != "train":
@@ -249,10 +315,11 @@ def load_rows(spec: str, split: str = "train", config: str | None = None, rename
               split_flag: str | None = None) -> list[RawRow]:
     """The rows of one split of a dataset: a json/jsonl/parquet/csv file, a save_to_disk folder, a
     folder of data files or a hub name; `config` its config, `renames` {NEW: OLD} column renames
-    applied before anything reads a row. `split_flag` is the flag errors name for the split."""
+    applied before anything reads a row. `split_flag` is the flag errors name for the split.
+    Numbers in text columns are read as their text (`numbers_as_text`)."""
     path = Path(spec).expanduser()
     if path.is_file():
-        rows, named_split = _file_rows(path, split, config, split_flag)
+        rows, named_split = _file_rows(path, split, config, split_flag, _text_columns(renames))
     elif path.is_dir():
         if any((path / f).exists() for f in SAVED_DATASET_FILES):
             rows, named_split = _saved_rows(path, split, config, split_flag)
@@ -274,6 +341,7 @@ def load_rows(spec: str, split: str = "train", config: str | None = None, rename
     if not out:
         raise UserError(f"{label}: no rows")
     log.info("loaded %d rows from %s", len(out), label)
+    numbers_as_text([row.data for row in out], label)
     return out
 
 

@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from rlhf.errors import UserError, path_in_traceback
+from rlhf.models.checks import check_finite
 from rlhf.models.sharded_loading import (
     local_checkpoint, parameters_on_meta, plan_shard_loading, renamed_by_transformers, with_or_without_prefix,
 )
@@ -118,7 +119,8 @@ def read_chat_template(path: str) -> str:
 
 
 def load_causal_lm(name_or_path: str, flag: str = "--model") -> PreTrainedModel:
-    """A causal LM in fp32 (master weights; compute precision comes from the engine)."""
+    """A causal LM in fp32 (master weights; compute precision comes from the engine); a NaN or
+    infinite weight is one UserError naming the tensor (rlhf/models/checks.py)."""
     _check_source(name_or_path, flag)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype="float32")
@@ -131,6 +133,7 @@ def load_causal_lm(name_or_path: str, flag: str = "--model") -> PreTrainedModel:
                         "config.json the weights were saved with") from None
     if getattr(model.config, "rlhf_model_type", None) == "value":
         raise UserError(f"{flag} {name_or_path}: is a reward/value model, not a causal LM")
+    check_finite(model.named_parameters(), f"{flag} {name_or_path}")
     return model
 
 

@@ -104,7 +104,7 @@ def _adapted_loader(model: nn.Module, weights: SafetensorsShardLoader,
         plain = base_name(name)
         if name not in adapters and plain in weights.sources:
             sources[name] = weights.sources[plain]
-    return SafetensorsShardLoader(weights.folder, sources, {**weights.fills, **adapters})
+    return SafetensorsShardLoader(weights.folder, sources, {**weights.fills, **adapters}, weights.where)
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, seed: int = 0, base_model: str = "",

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
 import torch
 from safetensors import safe_open
@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from rlhf.engine.fsdp import local_shard
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_finite
 
 log = get_logger(__name__)
 
@@ -219,10 +220,18 @@ class SafetensorsShardLoader:
     """Parameter name (as `named_parameters()` gives it) -> its checkpoint tensor."""
     fills: dict[str, Tensor] = field(default_factory=dict)
     """Parameter name -> its full value, for parameters no checkpoint holds (a new value head)."""
+    where: str = ""
+    """The flag and folder errors name ("--actor runs/sft/model"); the folder when empty."""
+    checks_finite: ClassVar[bool] = True
+    """`load_local_shards` refuses a NaN/inf in what it reads (`fills` are the caller's own finite
+    values), so the engine does not scan the weights a second time."""
 
     @torch.no_grad()
     def load_local_shards(self, model: nn.Module) -> None:
+        """Read each parameter's local shard; a NaN or an infinity in what was read is one UserError
+        naming the tensor (checked as read: the weights are never read twice)."""
         loaded = 0
+        read: list[tuple[str, Tensor]] = []
         for name, param in model.named_parameters():
             local, index = local_shard(param)
             if local.numel() == 0:
@@ -231,10 +240,12 @@ class SafetensorsShardLoader:
                 local.copy_(self.fills[name][index])
             elif name in self.sources:
                 read_part(self.sources[name], index, local)
+                read.append((f"{self.sources[name].key} ({self.sources[name].file.name})", local))
             else:  # a module added or renamed after planning (an adapter wrapper): plan after it
                 raise RuntimeError(f"{self.folder}: parameter {name} was not in the loading plan; the model changed "
                                    "after plan_shard_loading")
             loaded += local.numel() * local.element_size()
+        check_finite(read, self.where or str(self.folder))
         log.info("%s: loaded this rank's shards only (%.1f MB)", self.folder, loaded / 2**20)
 
 
@@ -319,7 +330,7 @@ def plan_shard_loading(
     if unused:
         log.info("%s: %d checkpoint tensor(s) not part of the model left unused (%s)", folder, len(unused),
                  _shown(unused))
-    return SafetensorsShardLoader(folder, sources, fills)
+    return SafetensorsShardLoader(folder, sources, fills, where)
 
 
 def with_or_without_prefix(prefix: str) -> Callable[[str], list[str]]:

@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from rlhf.engine.positions import last_token_index, position_ids_from_mask
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_finite
 from rlhf.models.sharded_loading import (
     CheckpointTensor, SafetensorsShardLoader, local_checkpoint, parameters_on_meta, plan_shard_loading,
     renamed_by_transformers,
@@ -160,16 +161,20 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_causal_lm_dir(
-        cls, path: str | Path, dtype: torch.dtype | None = None, head_init_std: float | None = 0.0
+        cls, path: str | Path, dtype: torch.dtype | None = None, head_init_std: float | None = 0.0,
+        flag: str = "--model",
     ) -> ValueModel:
         """Backbone weights from any HF causal-LM folder (an SFT output, a base model); new head.
 
         `AutoModel.from_pretrained` maps the causal-LM names onto the bare model for all five
         tiny families (prefix `model.` for Llama/Qwen2/Mistral/OPT, `transformer.` for GPT-2);
-        the LM head is left out and logged. `dtype` None keeps the checkpoint's dtype.
+        the LM head is left out and logged. `dtype` None keeps the checkpoint's dtype. A NaN or
+        infinite weight is a UserError naming `flag`, the folder and the tensor.
         """
         path = Path(path)
         backbone = _load_backbone(path, dtype, ignorable=("lm_head.", HEAD_PREFIX, "score."))
+        check_finite(((f"{backbone.base_model_prefix}.{n}", p) for n, p in backbone.named_parameters()),
+                     f"{flag} {path}")
         return cls(backbone, head_init_std=head_init_std)
 
     def forward(
@@ -351,6 +356,8 @@ def load_value_model(path: str | Path, dtype: torch.dtype | None = None, flag: s
         raise UserError(f"{path}: value head missing or of the wrong shape (expected {SCORE_PREFIX}weight {list(expected)})")
     head.setdefault("bias", torch.zeros(1))
     model.value_head.load_state_dict({k: v.to(model.value_head.weight.dtype) for k, v in head.items()})
+    prefix = backbone.base_model_prefix
+    check_finite(((_disk_name(n, prefix), p) for n, p in model.named_parameters()), f"{flag} {path}")
     return model
 
 
@@ -366,7 +373,7 @@ def value_model_from(path: str | Path, head_init_std: float | None = 0.0, flag: 
     if is_value_model_dir(path):
         logger.info("%s %s is a value model: continuing from its head", flag, path)
         return load_value_model(path, dtype=torch.float32, flag=flag)
-    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std)
+    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std, flag=flag)
 
 
 # ---------------------------------------------------------------- sharded loading (for the engines)
@@ -463,4 +470,4 @@ def deferred_value_model_from(
     deferred = _deferred_value_model(path, flag, head_init_std, new_head=True)
     if deferred is not None:
         return deferred
-    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std), None
+    return ValueModel.from_causal_lm_dir(path, dtype=torch.float32, head_init_std=head_init_std, flag=flag), None

@@ -38,6 +38,7 @@ from rlhf.engine.safe_unpickle import (
     SafeLoadPlanner, UnsafeCheckpoint, ValidatedReader, read_dcp_metadata, read_host_state, unsafe_reason,
 )
 from rlhf.engine.train_engine import TrainEngine
+from rlhf.engine.write_errors import WriteFailed, agreed_write
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
@@ -153,33 +154,51 @@ class Checkpointer:
         return complete[-1]
 
     def save(self, step: int, engines: dict[str, TrainEngine], loop_state: dict[str, Any]) -> Path:
-        """Write a checkpoint for optimizer step `step` (collective: every rank calls it)."""
+        """Write a checkpoint for optimizer step `step` (collective: every rank calls it). A write
+        that fails on any rank (a full disk) leaves no `step_N.tmp` and the earlier checkpoints as
+        they were, and raises the same WriteFailed line on every rank (engine/write_errors.py)."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
-        if self.ctx.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.ctx.barrier()
-        dcp.save({name: e.sharded_state() for name, e in engines.items()}, checkpoint_id=str(tmp))
-        host = {
-            "rng": rng_state(),
-            "engines": {name: e.host_state() for name, e in engines.items()},
-            "loop": loop_state,
-            "world_size": self.ctx.world_size,
-            "config": self.run_config,
-        }
-        torch.save(host, tmp / f"host_rank{self.ctx.rank}.pt")
-        self.ctx.barrier()
-        if self.ctx.is_main:
-            if final.exists():  # a step redone after resuming from an earlier checkpoint
-                discard(final)
-            honour_umask(tmp)
-            os.replace(tmp, final)
-            write_text_atomic(self.root / "latest", final.name)
-            self._prune(step)
-        self.ctx.barrier()
+        try:
+            self._write(step, final, tmp, engines, loop_state)
+        except WriteFailed as exc:
+            kept = complete_checkpoints(self.root)
+            previous = f"the checkpoint before it, {kept[-1]}, is intact" if kept else "no earlier checkpoint exists"
+            raise WriteFailed(f"{exc}; {previous}; then resume with --resume") from None
         log.info("checkpoint saved: %s", final)
         return final
+
+    def _write(self, step: int, final: Path, tmp: Path, engines: dict[str, TrainEngine],
+               loop_state: dict[str, Any]) -> None:
+        """`save`'s three parts, each ended by the ranks' agreement that it was written (the barrier
+        every rank waits at): the empty `tmp` (rank 0); the shards and each rank's host state;
+        `tmp` renamed to `final`, `latest`, pruning (rank 0)."""
+        what = f"checkpoint {final.name}"
+        with agreed_write(self.ctx, tmp, what):
+            if self.ctx.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+        with agreed_write(self.ctx, tmp, what):
+            dcp.save({name: e.sharded_state() for name, e in engines.items()}, checkpoint_id=str(tmp))
+            host = {
+                "rng": rng_state(),
+                "engines": {name: e.host_state() for name, e in engines.items()},
+                "loop": loop_state,
+                "world_size": self.ctx.world_size,
+                "config": self.run_config,
+            }
+            torch.save(host, tmp / f"host_rank{self.ctx.rank}.pt")
+        with agreed_write(self.ctx, tmp, what):
+            if self.ctx.is_main:
+                if final.exists():  # a step redone after resuming from an earlier checkpoint
+                    discard(final)
+                honour_umask(tmp)
+                os.replace(tmp, final)
+                try:
+                    write_text_atomic(self.root / "latest", final.name)
+                finally:
+                    (self.root / "latest.tmp").unlink(missing_ok=True)
+                self._prune(step)
 
     def _prune(self, saved_step: int) -> None:
         """Delete what no resume can use once step `saved_step` is saved: leftovers of interrupted

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from rlhf.engine.fileio import honour_umask
 from rlhf.engine.fsdp import local_shard
 from rlhf.engine.lora import adapter_state_dict, has_lora, merge_state_dict, merged_export_tensors
 from rlhf.engine.train_engine import NonFiniteTrainingError, TrainEngine, first_non_finite
+from rlhf.engine.write_errors import agreed_write
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -67,23 +69,32 @@ def export_model(engine: TrainEngine, directory: str | Path, tokenizer: Any | No
     ctx = engine.ctx
     check_finite_shards(ctx, tensors, directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _unwrapped_save(engine.model, tmp, {})  # config files only: an empty state dict
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    ctx.barrier()
+    with exporting(ctx, tmp, directory):
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _unwrapped_save(engine.model, tmp, {})  # config files only: an empty state dict
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     if not all(ctx.all_gather_object(tmp.is_dir())):  # ranks on hosts that do not share the file system
         log.info("%s: not on a file system every rank sees; the model is gathered on rank 0 to be written", directory)
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         export_state_dict(engine.model, ctx, full_export_state_dict(engine), directory, tokenizer)
         return
-    write_safetensors_in_place(ctx, tensors, tmp, max_file_bytes)
-    if ctx.is_main:
-        _publish(tmp, directory)
-    ctx.barrier()
+    write_safetensors_in_place(ctx, tensors, tmp, max_file_bytes, export_to=directory)
+    with exporting(ctx, tmp, directory):
+        if ctx.is_main:
+            _publish(tmp, directory)
+
+
+def exporting(ctx: DistributedContext, tmp: Path, directory: Path) -> AbstractContextManager[None]:
+    """A part of an export that ranks write on their own (no collective inside), ended by their
+    agreement that it was written instead of a barrier: on a write error on any rank (a full
+    disk), `tmp` is removed and every rank raises the same one line (engine/write_errors.py);
+    `directory`, the previous model, is untouched."""
+    return agreed_write(ctx, tmp, f"the model export to {directory}",
+                        then="resume with --resume (from the last checkpoint) to export again")
 
 
 def full_export_state_dict(engine: TrainEngine) -> dict[str, torch.Tensor]:
@@ -100,15 +111,15 @@ def export_adapter(engine: TrainEngine, directory: str | Path, tokenizer: Any | 
     directory = Path(directory)
     state_dict = engine.full_state_dict()
     check_finite_state_dict(engine.ctx, state_dict, directory)
-    if engine.ctx.is_main:
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write(tmp, adapter_state_dict(engine.model, state_dict, ("value_head",)))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _publish(tmp, directory)
-    engine.ctx.barrier()
+    tmp = directory.with_name(directory.name + ".tmp")
+    with exporting(engine.ctx, tmp, directory):
+        if engine.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write(tmp, adapter_state_dict(engine.model, state_dict, ("value_head",)))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _publish(tmp, directory)
 
 
 def _tied_patterns(model: PreTrainedModel) -> list[str]:
@@ -225,32 +236,34 @@ def _write_local_rows(fd: int, tensor: torch.Tensor, offset: int, is_main: bool)
 
 
 def write_safetensors_in_place(ctx: DistributedContext, tensors: dict[str, torch.Tensor], directory: Path,
-                               max_file_bytes: int = MAX_FILE_BYTES) -> None:
+                               max_file_bytes: int = MAX_FILE_BYTES, export_to: Path | None = None) -> None:
     """Write `tensors` as safetensors file(s) in `directory` with every rank writing its own rows
-    (collective; `directory` must be on a file system every rank sees, as for checkpoints)."""
+    (collective; `directory` must be on a file system every rank sees, as for checkpoints). A
+    write error on any rank removes `directory` and raises on every rank (`exporting`; the line
+    names `export_to`, default `directory`)."""
     groups = _split_files(tensors, max_file_bytes)
     names = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     layouts = [_header(tensors, group) for group in groups]
-    if ctx.is_main:
-        for name, (header, _, size) in zip(names, layouts):
-            with open(directory / name, "wb") as f:
-                f.write(header)
-                f.truncate(size)
-        if len(groups) > 1:
-            weight_map = {t: name for name, group in zip(names, groups) for t in group}
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (directory / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    ctx.barrier()
-    for name, group, (_, offsets, _) in zip(names, groups, layouts):
-        fd = os.open(directory / name, os.O_WRONLY)
-        try:
-            for tensor_name in group:
-                _write_local_rows(fd, tensors[tensor_name], offsets[tensor_name], ctx.is_main)
-        finally:
-            os.close(fd)
-    ctx.barrier()
+    with exporting(ctx, directory, export_to or directory):
+        if ctx.is_main:
+            for name, (header, _, size) in zip(names, layouts):
+                with open(directory / name, "wb") as f:
+                    f.write(header)
+                    f.truncate(size)
+            if len(groups) > 1:
+                weight_map = {t: name for name, group in zip(names, groups) for t in group}
+                total = sum(t.numel() * t.element_size() for t in tensors.values())
+                (directory / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    with exporting(ctx, directory, export_to or directory):
+        for name, group, (_, offsets, _) in zip(names, groups, layouts):
+            fd = os.open(directory / name, os.O_WRONLY)
+            try:
+                for tensor_name in group:
+                    _write_local_rows(fd, tensors[tensor_name], offsets[tensor_name], ctx.is_main)
+            finally:
+                os.close(fd)
 
 
 def _publish(tmp: Path, directory: Path) -> None:
@@ -281,12 +294,12 @@ def export_state_dict(
     """Rank 0 writes `state_dict` with `model`'s config into `directory` (replacing it atomically),
     once every tensor of it is known to be finite."""
     check_finite_state_dict(ctx, state_dict, directory)
-    if ctx.is_main:
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _unwrapped_save(model, tmp, state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _publish(tmp, directory)
-    ctx.barrier()
+    tmp = directory.with_name(directory.name + ".tmp")
+    with exporting(ctx, tmp, directory):
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _unwrapped_save(model, tmp, state_dict)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            _publish(tmp, directory)

@@ -121,17 +121,38 @@ def relaunch_under_torchrun(nproc: int | None) -> None:
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun in this process; its exit code. A worker that failed with a user error has
     printed its one line (exit code 2), so torchrun's own report, a traceback of the launcher, is
-    left out; another failure (a crash, a signal) gets one line naming the rank."""
+    left out; another failure (a crash, a signal) gets one line naming the rank.
+
+    SIGTERM and SIGINT are forwarded to the workers, which stop after a checkpoint
+    (engine/preemption.py), and the launcher exits with their code (143/130), saying nothing more;
+    torchrun's own handling would end the launcher with a SignalException traceback and kill the
+    workers 30 s later. (A torch whose launcher ignores TORCHELASTIC_SIGNALS_TO_HANDLE forwards
+    the signal itself: its SignalException becomes that code.)"""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from rlhf.engine.preemption import STOP_SIGNALS, exit_code, forward_stop_signals, signal_name
+
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"  # not SIGTERM/SIGINT: forwarded below
+    forward_stop_signals()
     try:
         run(parse_args(torchrun_args))
+    except SignalException as exc:
+        return exit_code(int(exc.sigval))
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        stopped = [code for code in codes.values() if code in {exit_code(s) for s in STOP_SIGNALS}]
+        if stopped:  # the workers stopped for a signal (after their checkpoint) and said so
+            return max(stopped)
+        killed = {rank: -code for rank, code in codes.items() if -code in STOP_SIGNALS}
+        if killed:  # before a rank set up its signal handling, or after it ended: nothing to save
+            rank, signum = min(killed.items())
+            click.echo(f"error: rank {rank} was ended by {signal_name(signum)} outside its training loop", err=True)
+            return exit_code(signum)
         if UserError.exit_code not in codes.values():
             rank, code = min(codes.items())
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
@@ -190,7 +211,11 @@ def stage_command(name: str, config_cls: type, module_name: str, help: str) -> c
 
         set_dist_timeout(config.engine.dist_timeout)
         stage = importlib.import_module(f"rlhf.stages.{module_name}")
-        _print_summary(stage.run(config))
+        from rlhf.engine.preemption import stop_on_signals
+
+        with stop_on_signals():  # SIGTERM/SIGINT: a checkpoint at the next step, then exit 143/130
+            summary = stage.run(config)
+        _print_summary(summary)
 
     return cli.command(name, help=help)(command)
 
@@ -235,7 +260,10 @@ def _register_stages() -> None:
         config = e2e.resolve_e2e_config(ConfigSources(file=top, file_name=file_name, flags=given_flags(kwargs)))
         relaunch_under_torchrun(kwargs.get("nproc_per_node"))
         _output_path = config.output
-        summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
+        from rlhf.engine.preemption import stop_on_signals
+
+        with stop_on_signals():  # SIGTERM/SIGINT: a checkpoint at the next step, then exit 143/130
+            summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(format_e2e_summary(summary))
 
@@ -418,16 +446,17 @@ def _register_plans() -> None:
 _register_plans()
 
 
-def _end_distributed() -> None:
-    """After a successful multi-process command: wait for every rank, tear the group down, and
-    end the rank without interpreter finalization (`exit_rank` says why)."""
+def _end_distributed(code: int = 0) -> None:
+    """After a successful multi-process command (or one every rank stopped for a signal, `code`
+    143/130): wait for every rank, tear the group down, and end the rank with `code` without
+    interpreter finalization (`exit_rank` says why)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         from rlhf.engine.distributed import exit_rank, shutdown_process_group
 
         shutdown_process_group()
-        exit_rank(0)
+        exit_rank(code)
 
 
 def _close_progress_bars() -> None:
@@ -462,6 +491,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="rlhf", standalone_mode=False)
         _end_distributed()
+    except SystemExit as exc:  # engine/preemption.py's Preempted: every rank stopped at the same step
+        preemption = sys.modules.get("rlhf.engine.preemption")
+        if preemption is not None and isinstance(exc, preemption.Preempted):
+            _end_distributed(int(exc.code or 0))
+        raise
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -22,7 +22,8 @@ Reads top to bottom: `run` checks the config, claims the output folder and build
                         loss, entropy bonus, PTX loss), then the actor's EMA and the KL controller
     log_iteration       metrics over all ranks (per reward source, per phase), sample tables
     save_checkpoint     resume state (DCP) every --save-interval iterations (and at the end with
-                        --save-final-checkpoint)
+                        --save-final-checkpoint); after SIGTERM/SIGINT on any rank, a checkpoint and
+                        a stop (engine/preemption.py)
 
 `finish` writes the final actor to <output>/model, the critic to <output>/critic (GAE only) and the
 EMA actor to <output>/model_ema, then summary.json and DONE. The rollout layout over ranks and
@@ -76,6 +77,7 @@ from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.packing import (
     log_packing, packed_logprobs, packed_micro_batches, packed_values, packing_unsupported_reason, packs_fewer_tokens,
 )
+from rlhf.engine.preemption import agreed_stop
 from rlhf.engine.prompt_sharing import (
     padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs,
 )
@@ -99,7 +101,9 @@ from rlhf.stages.rollouts import (
     Rollouts, gather_rollouts, global_scores, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs,
 )
 from rlhf.stages.throughput import PHASES, IterationWork, iteration_flops, iteration_models
-from rlhf.stages.trainer import finish_stage, open_run, resume_from_latest, start_stage, wants_checkpoint
+from rlhf.stages.trainer import (
+    finish_stage, open_run, resume_from_latest, start_stage, stop_for_signal, wants_checkpoint,
+)
 
 log = get_logger(__name__)
 
@@ -425,6 +429,10 @@ class PPOTrainer:
         bar = tqdm(total=self.total_iterations, initial=self.start_iteration, desc="ppo", disable=not self.ctx.is_main,
                    dynamic_ncols=True)
         self.started = time.perf_counter()
+        signum = agreed_stop(self.ctx) if self.start_iteration < self.total_iterations else None  # while loading
+        if signum is not None:
+            bar.close()
+            stop_for_signal(self.ctx, self.tracker, "ppo", signum, self.start_iteration, None)
         for iteration in range(self.start_iteration, self.total_iterations):
             seconds: dict[str, float] = {}
             self.critic_seconds = self.policy_kl_sum = 0.0
@@ -443,7 +451,13 @@ class PPOTrainer:
                 self.check_reward_spread(rollouts)
             bar.update(1)
             bar.set_postfix(score=f"{metrics['score_mean']:.3f}", kl=f"{kl:.3f}")
-            self.save_checkpoint(iteration + 1)
+            # Every rank stops after the same iteration (one small all_reduce); after the last, the run finishes.
+            last = iteration + 1 == self.total_iterations
+            signum = None if last else agreed_stop(self.ctx)
+            checkpoint = self.save_checkpoint(iteration + 1, stopping=signum is not None)
+            if signum is not None:
+                bar.close()
+                stop_for_signal(self.ctx, self.tracker, "ppo", signum, iteration + 1, checkpoint)
         bar.close()
 
     def collect_rollouts(self, iteration: int, seconds: dict[str, float]) -> Rollouts:
@@ -917,15 +931,15 @@ class PPOTrainer:
             raw = global_scores(rollouts.components[REWARD_MODEL], self.ctx)
             warn_if_degenerate(self.config.reward, float(raw.std(unbiased=False)), "the first iteration's rollouts")
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, stopping: bool = False) -> Path | None:
         """Resume state after `step` iterations, every --save-interval iterations (and at the end
-        with --save-final-checkpoint)."""
-        if not wants_checkpoint(self.config, step, step == self.total_iterations):
-            return
+        with --save-final-checkpoint), and when `stopping` for a signal; the checkpoint, if saved."""
+        if not (stopping or wants_checkpoint(self.config, step, step == self.total_iterations)):
+            return None
         loop_state: dict[str, Any] = {"step": step, "iteration": step, "kl_coef": self.kl_ctl.value}
         if self.ema is not None:
             loop_state["ema"] = self.ema.state_dict()
-        self.checkpointer.save(step, self.engines, loop_state)
+        return self.checkpointer.save(step, self.engines, loop_state)
 
     def finish(self) -> dict[str, Any]:
         """Export the actor, the critic if any (and the EMA actor), write summary.json and DONE;

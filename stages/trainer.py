@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from rlhf.engine.host_memory import populate_heap
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
+from rlhf.engine.preemption import Preempted, agreed_stop, mark_stopped, requested_signal, signal_name
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
@@ -186,10 +187,28 @@ def finish_stage(ctx: DistributedContext, output: Path, tracker: Tracker, summar
         write_summary(output, summary)
         tracker.summary(summary)
         mark_done(output)
+        if requested_signal() is not None:
+            log.warning("%s received during the last step or the export: the run finished first (DONE)",
+                        signal_name(requested_signal() or 0))
     tracker.finish()
     ctx.barrier()
     if ctx.is_main:
         release_output(output)
+
+
+def stop_for_signal(ctx: DistributedContext, tracker: Tracker, stage: str, signum: int, step: int,
+                    checkpoint: Path | None) -> NoReturn:
+    """End the stage at the step boundary where every rank agreed to stop for `signum`
+    (engine/preemption.py), after `checkpoint` of step `step` was saved (None: no step ran since
+    the run started): one line on rank 0, the tracker closed, then `Preempted` on every rank (the
+    CLI exits with 128 + signum)."""
+    if ctx.is_main:
+        saved = f"checkpoint {checkpoint}" if checkpoint is not None else "no step ran in this run; nothing new to save"
+        log.warning("rlhf %s: stopped by %s at step %d; resume with --resume (%s)", stage, signal_name(signum), step,
+                    saved)
+    tracker.finish()
+    mark_stopped(signum)
+    raise Preempted(signum)
 
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int, num_eval: int = 0,
@@ -388,6 +407,10 @@ def run_training(
     packed = config.pack_sequences and packing_unsupported_reason(engine.model, ctx.device) is None
     if config.pack_sequences and config.max_tokens_per_micro_batch:
         log_packing({stage: packing_unsupported_reason(engine.model, ctx.device)})
+    signum = agreed_stop(ctx) if engine.global_step < total_steps else None  # a signal while loading
+    if signum is not None:
+        bar.close()
+        stop_for_signal(ctx, tracker, stage, signum, engine.global_step, None)
     while engine.global_step < total_steps:
         for step_in_epoch, micro_batches in plan.iterate(epoch, start_step if epoch == start_epoch else 0):
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]
@@ -408,9 +431,15 @@ def run_training(
                 tracker.log({**{f"eval_{k}": v for k, v in eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
                             step=gs)
             done = gs >= total_steps
-            if wants_checkpoint(config, gs, done):
-                checkpointer.save(gs, {stage: engine},
-                                  {"step": gs, "metrics": metrics, **next_position(plan, epoch, step_in_epoch)})
+            # Every rank stops after the same step (one small all_reduce); after the last, the run finishes.
+            signum = None if done else agreed_stop(ctx)
+            checkpoint = None
+            if wants_checkpoint(config, gs, done) or signum is not None:
+                checkpoint = checkpointer.save(gs, {stage: engine}, {"step": gs, "metrics": metrics,
+                                                                     **next_position(plan, epoch, step_in_epoch)})
+            if signum is not None:
+                bar.close()
+                stop_for_signal(ctx, tracker, stage, signum, gs, checkpoint)
             if done:
                 break
         epoch += 1

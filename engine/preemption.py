@@ -42,6 +42,8 @@ class _Request:
     at: float = 0.0
     stopped: bool = False
     """The stop's checkpoint and line are done: a later signal ends the process quietly."""
+    resume: str = "resume with --resume"
+    """How the command is resumed, for the stop's line."""
 
 
 _request = _Request()
@@ -76,28 +78,39 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         return
     if int(os.environ.get("RANK", "0")) == 0:
         line = (f"\nerror: a second {signal_name(signum)}: exiting at once; the last complete checkpoint is "
-                "kept (resume with --resume)\n")
+                f"kept ({_request.resume})\n")
         os.write(2, line.encode())
     os._exit(exit_code(signum))
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[None]:
+def stop_on_signals(resume: str = "resume with --resume") -> Iterator[None]:
     """SIGTERM and SIGINT request a stop at the next step boundary while the block runs (see the
-    module docstring); the previous handlers come back after it. A no-op outside the main thread,
-    where Python cannot set handlers."""
+    module docstring; `resume` says how to go on, in the stop's line); the previous handlers come
+    back after it, except after `Preempted`: the process is ending, and a further signal (torchrun
+    ending a rank still tearing down) ends it at once with the same code. A no-op outside the main
+    thread, where Python cannot set handlers."""
     global _request
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _request = _Request()
+    _request = _Request(resume=resume)
     previous = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
     try:
         yield
+    except Preempted:
+        previous = {}
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _request = _Request()
+        if previous:
+            _request = _Request()
+
+
+def resume_hint() -> str:
+    """How the running command is resumed after a stop ('resume with --resume')."""
+    return _request.resume
 
 
 def requested_signal() -> int | None:

@@ -262,7 +262,7 @@ def _register_stages() -> None:
         _output_path = config.output
         from rlhf.engine.preemption import stop_on_signals
 
-        with stop_on_signals():  # SIGTERM/SIGINT: a checkpoint at the next step, then exit 143/130
+        with stop_on_signals("resume by running the same rlhf e2e command again"):  # as for a stage
             summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(format_e2e_summary(summary))
@@ -477,7 +477,9 @@ def _exit_with(error: UserError) -> None:
         message = distributed.stall_verdict() or message
     _close_progress_bars()
     if not multi or distributed.claim_error_report():
-        click.echo(f"error: {message}", err=True)
+        # Rank 0's progress bar may hold the shared terminal's line when another rank prints.
+        lead = "\n" if multi and int(os.environ.get("RANK", "0")) != 0 else ""
+        click.echo(f"{lead}error: {message}", err=True)
     if multi:
         distributed.exit_job(error.exit_code)
     sys.exit(error.exit_code)

@@ -29,7 +29,7 @@ from rlhf.engine.host_memory import populate_heap
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
-from rlhf.engine.preemption import Preempted, agreed_stop, mark_stopped, requested_signal, signal_name
+from rlhf.engine.preemption import Preempted, agreed_stop, mark_stopped, requested_signal, resume_hint, signal_name
 from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
@@ -204,7 +204,7 @@ def stop_for_signal(ctx: DistributedContext, tracker: Tracker, stage: str, signu
     CLI exits with 128 + signum)."""
     if ctx.is_main:
         saved = f"checkpoint {checkpoint}" if checkpoint is not None else "no step ran in this run; nothing new to save"
-        log.warning("rlhf %s: stopped by %s at step %d; resume with --resume (%s)", stage, signal_name(signum), step,
+        log.warning("rlhf %s: stopped by %s at step %d; %s (%s)", stage, signal_name(signum), step, resume_hint(),
                     saved)
     tracker.finish()
     mark_stopped(signum)

@@ -454,8 +454,10 @@ def _end_distributed(code: int = 0) -> None:
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         from rlhf.engine.distributed import exit_rank, shutdown_process_group
+        from rlhf.output_lock import release_all
 
         shutdown_process_group()
+        release_all()  # exit_rank skips interpreter finalization: the lock file goes now
         exit_rank(code)
 
 

@@ -95,7 +95,7 @@ def same_weights(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-@pytest.mark.parametrize("nproc,signum", [(1, signal.SIGTERM), (2, signal.SIGINT)])
+@pytest.mark.parametrize("nproc,signum", [(1, signal.SIGTERM), pytest.param(2, signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_mid_sft_stops_after_a_checkpoint_and_resume_is_bit_equal(nproc, signum, tiny_model_dirs, sft_data,
                                                                           tmp_path):
     steps = 200 if nproc == 1 else 100  # long enough that the signal lands mid-run
@@ -130,7 +130,7 @@ def ppo_args(tiny_model_dirs, tmp_path) -> list[str]:
             "--optimizer-impl", "torch", "--lr", "1e-2", "--lr-scheduler", "constant", "--dtype", "fp32"]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_mid_ppo_iteration_stops_after_it_and_resume_is_bit_equal(nproc, ppo_args, tmp_path):
     args = [*ppo_args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
     full = run_cli([*args, "--output", str(tmp_path / "full")], env=ENV)

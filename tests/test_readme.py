@@ -105,7 +105,6 @@ def test_quickstart_blocks_are_found():
         assert command in script, command
 
 
-@pytest.mark.slow
 def test_quickstart_runs_as_written(tmp_path):
     """Every quickstart block, in order, in one `bash -e` in an empty folder, with this Python's
     `python` and `rlhf` first on PATH."""

@@ -150,6 +150,7 @@ def launch_with_full_disk(args: list[str], full: str) -> subprocess.CompletedPro
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_one_rank_during_a_checkpoint_and_the_export(tiny_model_dirs, sft_data, tmp_path):
     model = tiny_model_dirs["llama"]
     run = tmp_path / "run"

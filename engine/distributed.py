@@ -70,7 +70,7 @@ def exit_job(code: int) -> None:
     """End this rank of a failed multi-process job at once, its error already printed: stalled
     peers on this host are killed (a stopped one would hold torchrun's teardown 30 s), and the
     process exits without running teardown that could wait on a dead peer. torchrun (or the
-    peers' watchdogs) stop the other ranks."""
+    other ranks' watchdogs) stop the other ranks."""
     if _watchdog is not None:
         for rank in _watchdog.silent_peers(min_age=_watchdog.timeout / 2):
             _watchdog.kill_if_local(rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -44,6 +45,26 @@ def addition_rows(n: int, seed: int = 0) -> list[dict]:
         a, b = rng.randint(0, 20), rng.randint(0, 20)
         rows.append({"prompt": f"{a}+{b}=", "response": str(a + b)})
     return rows
+
+
+@pytest.fixture
+def log_records() -> Iterator[list[logging.LogRecord]]:
+    """The `rlhf` loggers' records during a test (they do not propagate to pytest's caplog)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("rlhf").addHandler(handler)
+    yield records
+    logging.getLogger("rlhf").removeHandler(handler)
+
+
+@pytest.fixture
+def rlhf_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the `rlhf` loggers (which do not propagate to the root logger)."""
+    logger = logging.getLogger("rlhf")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,16 +50,6 @@ def configs_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       f"  - split: test\n    path: {c}/test-*\n" for c in ("main", "socratic"))
     (root / "README.md").write_text(f"---\nconfigs:\n{entries}---\n# a dataset with two configs\n")
     return root
-
-
-@pytest.fixture
-def log_records() -> Iterator[list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
-    logging.getLogger("rlhf").addHandler(handler)
-    yield records
-    logging.getLogger("rlhf").removeHandler(handler)
 
 
 def messages(records: list[logging.LogRecord]) -> str:

@@ -15,7 +15,7 @@ import csv
 import json
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,16 +192,6 @@ def test_a_sum_that_overflows_is_not_a_nonfinite_weight():
 
 
 # ---------------------------------------------------------------- rows and positions
-
-
-@pytest.fixture
-def log_records() -> Iterator[list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
-    logging.getLogger("rlhf").addHandler(handler)
-    yield records
-    logging.getLogger("rlhf").removeHandler(handler)
 
 
 def logged(records: list[logging.LogRecord]) -> str:

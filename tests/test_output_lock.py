@@ -6,14 +6,12 @@ killed run is taken over with a line. Real concurrent processes throughout.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,15 +23,6 @@ from tests.conftest import REPO, hold_output_lock, run_cli
 def kill(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait()
-
-
-@pytest.fixture
-def rlhf_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `rlhf` loggers (which do not propagate to the root logger)."""
-    logger = logging.getLogger("rlhf")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import pickle
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -214,15 +212,6 @@ def test_resume_on_a_finished_ppo_run_changes_nothing(tiny_model_dirs, tmp_path,
 
 
 # ------------------------------------------------------------- what resume reads
-
-
-@pytest.fixture
-def rlhf_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `rlhf` loggers (which do not propagate to the root logger)."""
-    logger = logging.getLogger("rlhf")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def logged(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

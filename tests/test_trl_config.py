@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +29,6 @@ from tests.conftest import REPO, write_jsonl
 from tests.test_critic_free import ANSWER_REWARD
 
 STAGES = {"sft": SFTConfig, "reward": RewardConfig, "grpo": PPOConfig}
-
-
-@pytest.fixture
-def log_records() -> Iterator[list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
-    logging.getLogger("rlhf").addHandler(handler)
-    yield records
-    logging.getLogger("rlhf").removeHandler(handler)
 
 
 def resolve(cls: type, trl: dict[str, Any], tmp_path: Path, world_size: int | None = None, **kwargs: Any) -> Any:

@@ -20,7 +20,6 @@ ZeroStage = Literal[0, 1, 2, 3]
 Dtype = Literal["auto", "fp32", "bf16", "fp16"]
 Scheduler = Literal["constant", "linear", "cosine"]
 OptimizerImpl = Literal["auto", "fused", "torch"]
-CpuMatmul = Literal["auto", "aten", "onednn"]
 
 
 class FieldRule(Protocol):
@@ -130,23 +129,8 @@ class EngineConfig:
     """torch.compile each decoder layer, fusing its elementwise ops (RMSNorm, RoPE, SwiGLU, ...); costs a one-off
     compile time.
 
-    Off by default; --fused-layers (on by default) already runs these ops of Llama-family layers as fused
-    csrc kernels, without compiling.
-    """
-    fused_layers: bool = True
-    """Run the RMSNorm, RoPE, SwiGLU and attention of Llama-family layers as fused csrc kernels; false keeps Hugging
-    Face's modules. Ignored with --compile.
-
-    Llama, Qwen2 and Mistral layers are fused. The kernels run in float32 on the CPU; elsewhere each op
-    runs its PyTorch reference (Hugging Face's code, attention through SDPA).
-    """
-    cpu_matmul: CpuMatmul = "auto"
-    """Library of float32 linears' matmuls on the CPU: aten (torch's, MKL), onednn, or auto (onednn on AMD CPUs, else
-    aten). Same results up to rounding.
-
-    onednn runs the forward and the input gradient through oneDNN at 64+ rows and dot products of 256+
-    (64+ on Zen 5), and the weight gradient too on AMD CPUs with AVX-512 (elsewhere on MKL); see
-    engine/cpu_matmul.py. auto takes oneDNN on AMD CPUs because MKL runs its AVX2 code path there.
+    Off by default; on the CPU, --cpu-fused-layers (on by default) already runs these ops of Llama-family
+    layers as fused csrc kernels, without compiling.
     """
     loss_scale: float = bounded(0.0, ge=0)
     """fp16 only: static loss scale; 0 selects dynamic loss scaling."""

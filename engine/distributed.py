@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.watchdog import StallWatchdog, claim_report, test_stall_hook
 from rlhf.errors import UserError
-from rlhf.engine.host_memory import tune_glibc_malloc
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -161,7 +160,6 @@ class DistributedContext:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-            tune_glibc_malloc()  # large per-step tensors stay in the heap (engine/host_memory.py)
         backend = "nccl" if use_cuda else "gloo"
         if not dist.is_initialized():
             seconds = timeout_s if timeout_s is not None else _dist_timeout

@@ -3,14 +3,13 @@
 The order is fixed (as in torchtitan): activation checkpointing per decoder layer, then (opt-in)
 torch.compile of each decoder layer, then `fully_shard` on each decoder layer, then on the root
 (embeddings, final norm, head). What a ZeRO
-stage means is written once, in `sharding_plan`; `apply_fsdp`, `TrainEngine` and `FrozenModel`
-read the plan, never the stage number.
+stage means is written once, in `sharding_plan` (engine/sharding.py); `apply_fsdp`, `TrainEngine` and
+`FrozenModel` read the plan, never the stage number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,26 +18,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import Cache
 
-from rlhf.engine.cpu_matmul import resolve_cpu_matmul, use_onednn_linears
+from rlhf.engine.backends import backend_for
+from rlhf.engine.sharding import COMPUTE_DTYPES, ShardingPlan
 from rlhf.engine.distributed import DistributedContext
+from rlhf.engine.layers import decoder_layers
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
-from rlhf.engine.fused_layers import fuse_layer_ops
-from rlhf.engine.layers import decoder_layers
 
 log = get_logger(__name__)
-
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """Turn "auto" into bf16 on a GPU that supports it, else fp32."""
-    if dtype != "auto":
-        return dtype
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp32"
-
 
 def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
     """Compute in `dtype`, keep fp32 master params, reduce gradients in fp32."""
@@ -95,57 +82,6 @@ def compile_decoder_layer(layer: nn.Module) -> None:
         return eager(*args, **kwargs) if _holds_kv_cache(args, kwargs) else compiled(*args, **kwargs)
 
     layer._compiled_call_impl = call
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """What a ZeRO stage means under FSDP2, for a trained or a frozen model.
-
-    Trained models:
-        3    -> shard params, grads and optimizer state; reshard params after forward; reduce-scatter
-                grads every micro-step (they stay sharded)
-        1, 2 -> shard grads and optimizer state; keep params gathered from forward until backward;
-                accumulate unsharded grads locally and communicate once per optimizer step
-        0    -> replicate everything (HSDP over a (world, 1) mesh: data parallel, nothing sharded)
-    Frozen models (reference policy, reward model) take the same plan, except that stage 0 is
-    sharded like stage 3: a frozen model has no grads and no optimizer state, so sharding its
-    params is the only saving ZeRO can offer it, and replicating it would cost memory for nothing.
-    """
-
-    zero_stage: int
-    """The stage the plan was made from (after the frozen 0 -> 3 rule)."""
-    mesh: Literal["shard", "replicate"]
-    """"shard": the 1-D ("dp",) mesh over all ranks; "replicate": the (world, 1) HSDP mesh."""
-    reshard_after_forward: bool
-    """Free the gathered params after forward (gather again in backward) instead of keeping them."""
-    sync_grads_every_micro_step: bool
-    """Reduce grads after every micro-batch's backward, not only at the accumulation boundary."""
-
-
-def sharding_plan(zero_stage: int, trainable: bool = True) -> ShardingPlan:
-    """The ShardingPlan of `zero_stage` (0-3, validated by the config) for a trained or frozen model."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    if not trainable and zero_stage == 0:
-        zero_stage = 3
-    return ShardingPlan(
-        zero_stage=zero_stage,
-        mesh="replicate" if zero_stage == 0 else "shard",
-        reshard_after_forward=zero_stage == 3,
-        sync_grads_every_micro_step=zero_stage == 3,
-    )
-
-
-def wraps_in_fsdp(world_size: int, offload: bool, dtype: str, trainable: bool) -> bool:
-    """Whether FSDP2 has anything to do for a model: shard it over several processes, offload it,
-    or (trained) keep fp32 master weights under 16-bit compute. Otherwise (one process, on the
-    device, and for a trained model fp32) it would only copy each layer's weights into its
-    all-gather buffer on every forward and each gradient through its reduce-scatter buffer on
-    every backward (SmolLM2-135M on a CPU: 19% of PPO's training phase); the model's parameters
-    then stay plain tensors, with the same values, gradients and optimizer steps."""
-    if world_size > 1 or offload:
-        return True
-    return trainable and dtype != "fp32"
 
 
 class ShardLoader(Protocol):
@@ -208,27 +144,23 @@ def apply_fsdp(
     gradient_checkpointing: bool = False,
     compile: bool = False,
     weights: ShardLoader | None = None,
-    fused_layers: bool = True,
     shard: bool = True,
-    cpu_matmul: str = "auto",
 ) -> nn.Module:
     """Wrap `model` in place as `plan` says; returns it (now an FSDPModule with DTensor params).
     `shard` False (`wraps_in_fsdp` finds nothing for FSDP2 to do) prepares the model the same
-    way (fused or compiled layers, device, sharded loading) and leaves its parameters plain.
+    way (the device backend's layers, compiled layers, device, sharded loading) and leaves its
+    parameters plain. First the device's backend swaps in its fast modules
+    (`Backend.prepare_model`: on the CPU fused layers and oneDNN linears; nothing under `compile`).
     With `compile`, each decoder layer is compiled before it is sharded (torchtitan's order), so
-    FSDP2's all-gather/reshard hooks stay outside the compiled code; without it, `fused_layers`
-    swaps Llama-family layers' RMSNorm/RoPE/SwiGLU for fused ones, and `cpu_matmul` resolving to
-    onednn (engine/cpu_matmul.py) swaps a CPU model's linears for oneDNN ones. A model on the meta
-    device is sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
+    FSDP2's all-gather/reshard hooks stay outside the compiled code. A model on the meta device is
+    sharded first and then filled by `weights` (only this rank's shards are ever allocated)."""
     if offload and plan.mesh == "replicate":
         # The config rejects offload with zero_stage 0 (EngineConfig); this guards direct callers.
         raise ValueError("offload needs sharded optimizer state: a replicated (ZeRO-0) plan cannot offload")
     deferred = on_meta(model)
     if deferred and weights is None:
         raise ValueError("a model on the meta device needs `weights` (a ShardLoader) to fill its shards")
-    fused = fuse_layer_ops(model) if fused_layers and not compile else 0
-    onednn = (use_onednn_linears(model) if ctx.device.type == "cpu" and not compile
-              and resolve_cpu_matmul(cpu_matmul) == "onednn" else 0)
+    swapped = backend_for(ctx.device).prepare_model(model, compile=compile)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     mesh = ctx.replicate_mesh if plan.mesh == "replicate" else ctx.mesh
@@ -252,9 +184,9 @@ def apply_fsdp(
         assert weights is not None
         materialize_local_shards(model, torch.device("cpu") if offload else ctx.device, weights)
     log.info(
-        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s fused_modules=%d "
-        "onednn_linears=%d world=%d sharded_loading=%s sharded=%s",
-        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, fused, onednn, ctx.world_size,
+        "FSDP2: zero_stage=%d dtype=%s offload=%s layers=%d activation_checkpointing=%s compile=%s swapped=%s "
+        "world=%d sharded_loading=%s sharded=%s",
+        plan.zero_stage, dtype, offload, len(layers), gradient_checkpointing, compile, swapped or "none", ctx.world_size,
         deferred, shard,
     )
     return model

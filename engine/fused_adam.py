@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from rlhf.engine.ops import OpSpec, load_op, register_op
+from rlhf.engine.op_selftests import Worst
+from rlhf.engine.ops import OpSpec, load_op, register_op, register_self_test
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -392,3 +393,63 @@ class FusedAdamW(torch.optim.Optimizer):
                 state["step"] = step.to(device="cpu", dtype=torch.float32)
             elif step is not None:
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load-time self-test of both ops (engine/op_selftests.py)
+# ---------------------------------------------------------------------------------------------
+
+_ADAM_SIZES = (1, 7, 33, 1031)  # tails of every vector width
+_ADAM_CASES = (
+    # param dtype, fp32 master copy, bf16 copy out, weight decay, AdamW (decoupled) or Adam
+    (torch.float32, False, False, 0.01, True),
+    (torch.float32, False, True, 0.1, False),
+    (torch.bfloat16, True, True, 0.01, True),
+    (torch.bfloat16, False, False, 0.0, True),
+)
+
+
+def _adam_tensors(dtype: torch.dtype, masters: bool, lp: bool, device: torch.device,
+                  gen: torch.Generator) -> dict[str, list[torch.Tensor]]:
+    def randn(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=gen).to(device)
+
+    params = [randn(n) for n in _ADAM_SIZES]
+    return {
+        "params": [p.to(dtype) for p in params],
+        "grads": [randn(n).to(dtype) for n in _ADAM_SIZES],
+        "exp_avgs": [0.1 * randn(n) for n in _ADAM_SIZES],
+        "exp_avg_sqs": [0.01 * randn(n).abs() for n in _ADAM_SIZES],
+        "masters": [p.clone() for p in params] if masters else [],
+        "lp_out": [torch.empty(n, dtype=torch.bfloat16, device=device) for n in _ADAM_SIZES] if lp else [],
+        "steps": [torch.tensor(float(i)) for i in range(len(_ADAM_SIZES))],  # CPU scalars, as in FusedAdamW
+    }
+
+
+def fused_adam_self_test(module: ModuleType, device: torch.device) -> str:
+    """Two steps of every kernel set the build has, for fp32 and bf16 params with and without
+    master copies and bf16 outputs, equal to `adam_reference_step`."""
+    worst = Worst()
+    isas = list(module.supported_isas()) if hasattr(module, "supported_isas") else [None]
+    gen = torch.Generator().manual_seed(0)
+    for isa in isas:
+        for dtype, masters, lp, weight_decay, adam_w_mode in _ADAM_CASES:
+            ours = _adam_tensors(dtype, masters, lp, device, gen)
+            ref = {k: [t.clone() for t in ts] for k, ts in ours.items()}
+            hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+            for _ in range(2):
+                module.adam_step(*ours.values(), **hyper, **({"isa": isa} if isa else {}))
+                adam_reference_step(*ref.values(), **hyper)
+            what = f"adam_step isa={isa or 'cuda'} {dtype} masters={masters} lp_out={lp}"
+            for key in ("exp_avgs", "exp_avg_sqs", "masters", "steps"):
+                for got, want in zip(ours[key], ref[key]):
+                    worst.close(f"{what} {key}", got, want, rtol=1e-5, atol=1e-6)
+            for key in ("params", "lp_out"):
+                bf16 = key == "lp_out" or dtype == torch.bfloat16  # one rounding step of bf16 apart
+                for got, want in zip(ours[key], ref[key]):
+                    worst.close(f"{what} {key}", got, want, rtol=1.6e-2 if bf16 else 1e-5, atol=1e-5 if bf16 else 1e-6)
+    return worst.summary()
+
+
+register_self_test(CPU_OP, fused_adam_self_test)
+register_self_test(CUDA_OP, fused_adam_self_test)

@@ -18,19 +18,15 @@ runs on a tensor-parallel model whose parameters are DTensors. Under tensor para
 rank of the group must draw the same tokens: pass a generator seeded identically on all ranks.
 This torch loop is the reference that faster paths (CUDA graphs, csrc kernels) must match.
 
-`generate(..., fast="auto")` (the default) runs Llama, Qwen2 and Mistral models through
-`FastLlamaDecoder` (engine/fast_decode.py), the same math as plain functions over the model's
-weights, which skips the Python overhead of the HF forward; anything it does not support
-(other families, sliding windows, DTensor parameters, hooks, ...) takes the HF forward, and
-`fast=False` always does. On CUDA the csrc kernels run behind the same calls: sampling through
-the fused sampling kernel (`sample_next_token`), and the fast decoder's decode-step attention
-through the flash-decoding kernel (engine/kernels.py); both match the torch path, and
-`kernels.generation_kernels(False)` runs the torch path only.
-
-On the CPU the fast decoder's fused step decodes the rows in groups, each group to its end, where
-the weights and one group's KV cache fit the last-level cache and all rows' do not
-(engine/decode_groups.py, `SamplingParams.decode_rows_per_group`): the same draws in the same
-order, so the same tokens.
+`generate(..., fast="auto")` (the default) runs Llama, Qwen2 and Mistral models through the device
+backend's fast decoder (`Backend.fast_decoder`: `FastLlamaDecoder`, engine/fast_decode.py, or a
+backend's subclass of it), the same math as plain functions over the model's weights, which skips
+the Python overhead of the HF forward; anything it does not support (other families, sliding
+windows, DTensor parameters, hooks, ...) takes the HF forward, and `fast=False` always does. A
+backend's fused sampler and step recorder run behind the same calls (engine/next_token.py); every
+one matches the torch path, and `generation_kernels(False)` (engine/backends/base.py) runs the torch
+path only. The loop itself is engine/decode_loop.py; a backend's decoder may run it over groups of
+rows, with the same draws, so the same tokens.
 
 Group sampling (`samples_per_prompt=N`, as GRPO-style estimators need) prefills the B unique
 prompts once, then `StepRunner.expand` copies each prompt's KV cache rows to its N samples'
@@ -41,25 +37,26 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from rlhf.engine.decode_groups import row_groups
-from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
+from rlhf.engine.backends import backend_for, generation_kernels_enabled
+from rlhf.engine.decode_loop import DecodeLoop, Transcript, sampled_logprobs
+from rlhf.engine.fast_decode import fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes
+from rlhf.engine.next_token import sample_next_token
 from rlhf.engine.positions import position_ids_from_mask
-from rlhf.engine.sampling import KVCacheDtype, SamplingParams, sample_next_token, sampler_path
+from rlhf.engine.sampling import KVCacheDtype, SamplingParams
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
 
 __all__ = ["GenerationOutput", "GenerationTooLarge", "SamplingParams", "check_generation_fits", "check_rollout_fits",
-           "generate", "group_index", "prefill", "decode_step", "select_runner"]
+           "generate", "group_index", "prefill", "decode_step", "sampled_logprobs", "select_runner"]
 
 
 @dataclass
@@ -145,17 +142,9 @@ class StepRunner(Protocol):
         """After prefill: rows `index` ([B'] int64) of the cache become its B' rows (group sampling)."""
         ...
 
-    def rows_per_group(self, batch: int, requested: int | None) -> int:
-        """How many of the `batch` rows each group of a grouped decode runs (`batch`: one group;
-        fewer only where the runner has `row_group`)."""
-        ...
-
-
-class GroupedRunner(StepRunner, Protocol):
-    """A runner whose rows can decode in groups (the fast decoder)."""
-
-    def row_group(self, start: int, stop: int) -> StepRunner:
-        """A runner over rows [start, stop) of this one's cache, at its length."""
+    def run(self, loop: DecodeLoop) -> int:
+        """The decode loop over this runner's rows (`loop.run_all(self)`, or in groups of rows);
+        -> the steps it ran."""
         ...
 
 
@@ -179,13 +168,8 @@ class HFForwardRunner:
         # the full batch, so selecting rows along dim 0 is the same on every rank.
         self.cache.batch_select_indices(index)
 
-    def rows_per_group(self, batch: int, requested: int | None) -> int:
-        """The reference decodes every row together (its cache object has no row views)."""
-        if requested is not None and requested < batch and "row groups" not in _logged_fallbacks:
-            _logged_fallbacks.add("row groups")
-            log.info("generate: decode_rows_per_group=%d is the fast decoder's; the Hugging Face forward decodes "
-                     "all %d rows together", requested, batch)
-        return batch
+    def run(self, loop: DecodeLoop) -> int:
+        return loop.run_all(self)
 
 
 _logged_fallbacks: set[str] = set()
@@ -204,7 +188,7 @@ def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Liter
         return HFForwardRunner(model, max_len)
     reason = fast_decode_unsupported_reason(model)
     if reason is None:
-        return FastLlamaDecoder(model, batch, max_len, kv_cache_dtype=kv_cache_dtype)
+        return backend_for(next(model.parameters()).device).fast_decoder(model, batch, max_len, kv_cache_dtype)
     if fast is True:
         raise ValueError(f"generate(fast=True): the fast decoder cannot run this model: {reason}")
     if reason not in _logged_fallbacks:
@@ -213,14 +197,6 @@ def select_runner(model: nn.Module, batch: int, max_len: int, fast: bool | Liter
                  "; its KV cache stays in the model's dtype (kv_cache_dtype fp16 is the fast decoder's)"
                  if kv_cache_dtype == "fp16" else "")
     return HFForwardRunner(model, max_len)
-
-
-def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] of each row ([B, V], [B] -> [B] float32), computed in fp32 as
-    the training forward's log-probs are (engine/logprobs.py)."""
-    logits = logits.float()
-    picked = logits.gather(-1, tokens[:, None]).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -318,7 +294,7 @@ def check_rollout_fits(
     folder that cannot be read is left to the model loader, whose error names it."""
     from transformers import AutoConfig
 
-    from rlhf.engine.fsdp import COMPUTE_DTYPES, resolve_dtype
+    from rlhf.engine.sharding import COMPUTE_DTYPES, resolve_dtype
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -372,174 +348,31 @@ def generate(
     return _decode(runner, logits, input_ids, attention_mask, prompt_positions, params, generator)
 
 
-@dataclass
-class _Transcript:
-    """What the generation loop writes, allocated once: the output and the loop's state."""
-
-    sequences: torch.Tensor
-    """[B, prompt + max_new] prompts, then the sampled tokens (pad once a row has finished)."""
-    action_mask: torch.Tensor
-    """[B, prompt + max_new] True at the tokens sampled before the row finished."""
-    token_logprobs: torch.Tensor
-    """[B, prompt + max_new] each sampled token's log-prob under the raw logits (0 elsewhere)."""
-    finished: torch.Tensor
-    """[B] the row has emitted an EOS."""
-    eos_ids: torch.Tensor
-
-    def rows(self, start: int, stop: int) -> _Transcript:
-        """Rows [start, stop) of it (views: what a group's loop writes lands here)."""
-        return _Transcript(self.sequences[start:stop], self.action_mask[start:stop], self.token_logprobs[start:stop],
-                           self.finished[start:stop], self.eos_ids)
-
-
-def _record_python(t: _Transcript, logits: torch.Tensor, uniform: torch.Tensor | None, rows: torch.Tensor | None,
-                   col: int, suppress_eos: bool, params: SamplingParams) -> None:
-    """Sample the decoded rows' tokens from `logits` and write column `col` of the transcript:
-    the reference of the fused `sample_record` op (cpu_decode.cpp)."""
-    batch, device = t.finished.shape[0], t.finished.device
-    raw_logits = logits
-    if suppress_eos:
-        logits = logits.index_fill(-1, t.eos_ids, float("-inf"))
-    decoded = sample_next_token(logits, params, uniform=uniform if uniform is None or rows is None else uniform[rows])
-    logprobs = sampled_logprobs(raw_logits, decoded)
-    if rows is not None:
-        decoded = torch.full((batch,), params.pad_token_id, dtype=decoded.dtype, device=device).index_copy(
-            0, rows, decoded)
-        logprobs = torch.zeros(batch, dtype=logprobs.dtype, device=device).index_copy(0, rows, logprobs)
-    token = torch.where(t.finished, params.pad_token_id, decoded)
-    t.sequences[:, col] = token
-    t.action_mask[:, col] = ~t.finished
-    t.token_logprobs[:, col] = torch.where(t.finished, 0.0, logprobs)
-    if t.eos_ids.numel():
-        # A broadcast compare rather than torch.isin, whose large-set path sorts.
-        t.finished |= (token[:, None] == t.eos_ids).any(dim=-1)
-
-
-def _fused_recorder(logits: torch.Tensor, params: SamplingParams) -> Callable[..., torch.Tensor] | None:
-    """The csrc op that samples and records a step in one call (`rlhf_cpu_decode.sample_record`),
-    where the CPU sampler path applies (float32 CPU logits, plain temperature sampling)."""
-    if sampler_path(logits, params) != "cpu_kernel":
-        return None
-    from rlhf.engine.cpu_decode import load_cpu_decode_op
-
-    op = load_cpu_decode_op()
-    return None if op is None else op.sample_record
-
-
 def _decode(
     runner: StepRunner, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_positions: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
 ) -> GenerationOutput:
-    """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows: all
-    together, or in groups of rows each decoded to its end (`runner.rows_per_group`,
-    engine/decode_groups.py), with the same tokens either way."""
+    """Sample from the prefill's `logits` [B, V], then one decode step per token, on B rows
+    (engine/decode_loop.py; `runner.run` decodes them together or in groups, with the same tokens)."""
     batch, prompt_len = input_ids.shape
     max_new = params.max_new_tokens
     device = input_ids.device
     sequences = torch.full((batch, prompt_len + max_new), params.pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_len] = input_ids
-    t = _Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
-                    torch.zeros_like(sequences, dtype=torch.float32),
-                    torch.zeros(batch, dtype=torch.bool, device=device),
-                    torch.tensor(params.eos_token_ids, dtype=torch.long, device=device))
+    t = Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
+                   torch.zeros_like(sequences, dtype=torch.float32),
+                   torch.zeros(batch, dtype=torch.bool, device=device),
+                   torch.tensor(params.eos_token_ids, dtype=torch.long, device=device))
     # The mask the model sees: prompt padding, then every generated slot visible (what a finished
     # row attends to no longer matters, its tokens are forced to pad).
     model_mask = torch.ones_like(sequences, dtype=attention_mask.dtype)
     model_mask[:, :prompt_len] = attention_mask
     step_positions = prompt_positions[:, -1:] + torch.arange(1, max_new + 1, device=device)
-    rows = runner.rows_per_group(batch, params.decode_rows_per_group)
-    if rows >= batch:
-        def draws(step: int) -> torch.Tensor | None:
-            # One uniform per row of the whole batch, as the samplers draw them, so that dropping
-            # finished rows leaves every other row's tokens as they would have been.
-            return (torch.rand(batch, device=device, dtype=torch.float32, generator=generator)
-                    if params.do_sample else None)
-
-        steps_run = _decode_rows(runner, logits, t, model_mask, step_positions, prompt_len, params, draws)
-    else:
-        # Fewer rows than the batch: only a runner with row groups (the fast decoder) answers that.
-        grouped = cast(GroupedRunner, runner)
-        steps_run = _decode_in_groups(grouped, logits, t, model_mask, step_positions, prompt_len, params, generator,
-                                      rows)
-    log.debug("generated %d of %d steps for %d sequences (%s, %d rows a group)", steps_run, max_new, batch,
-              type(runner).__name__, min(rows, batch))
+    recorder = backend_for(device).recorder(logits, params) if generation_kernels_enabled() else None
+    loop = DecodeLoop(logits, t, model_mask, step_positions, prompt_len, params, generator, sample_next_token,
+                      recorder)
+    steps_run = runner.run(loop)
+    log.debug("generated %d of %d steps for %d sequences (%s)", steps_run, max_new, batch, type(runner).__name__)
     out_mask = torch.cat([attention_mask, t.action_mask[:, prompt_len:].to(attention_mask.dtype)], dim=1)
     return GenerationOutput(sequences=t.sequences, attention_mask=out_mask, action_mask=t.action_mask,
                             prompt_length=prompt_len, finished=t.finished, logprobs=t.token_logprobs)
-
-
-def _decode_in_groups(
-    runner: GroupedRunner, logits: torch.Tensor, t: _Transcript, model_mask: torch.Tensor, step_positions: torch.Tensor,
-    prompt_len: int, params: SamplingParams, generator: torch.Generator | None, rows: int,
-) -> int:
-    """Decode ranges of `rows` rows one after the other, each to its end; -> the steps the one-group
-    loop would have run. Every step's uniforms for the whole batch are drawn up front, in the
-    order that loop draws them, and the generator is left where that loop leaves it (a draw per
-    step it runs), so the tokens and everything sampled afterwards are the same."""
-    batch, max_new, device = t.finished.shape[0], params.max_new_tokens, t.finished.device
-    rng = generator if generator is not None else _default_generator(device)
-    start_state = rng.get_state()
-    uniforms = (torch.rand(max_new, batch, device=device, dtype=torch.float32, generator=generator)
-                if params.do_sample else None)
-    steps_run = 0
-    for start, stop in row_groups(batch, rows):
-        group_uniforms = None if uniforms is None else uniforms[:, start:stop]  # sliced once, not every step
-
-        def draws(step: int, group_uniforms: torch.Tensor | None = group_uniforms) -> torch.Tensor | None:
-            return None if group_uniforms is None else group_uniforms[step]
-
-        steps_run = max(steps_run, _decode_rows(
-            runner.row_group(start, stop), logits[start:stop], t.rows(start, stop), model_mask[start:stop],
-            step_positions[start:stop], prompt_len, params, draws))
-    if uniforms is not None and steps_run < max_new:
-        rng.set_state(start_state)
-        torch.rand(steps_run * batch, device=device, dtype=torch.float32, generator=generator)
-    return steps_run
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    """The generator torch.rand draws from on `device` when given none."""
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
-def _decode_rows(
-    runner: StepRunner, logits: torch.Tensor, t: _Transcript, model_mask: torch.Tensor, step_positions: torch.Tensor,
-    prompt_len: int, params: SamplingParams, draws: Callable[[int], torch.Tensor | None],
-) -> int:
-    """The decode loop over the rows of `t` (all of a rollout's, or one group's): sample each
-    step's tokens from `logits` with the uniforms `draws(step)` gives, record them, decode them;
-    -> the steps run (fewer than max_new_tokens once every row has finished)."""
-    max_new = params.max_new_tokens
-    fused = _fused_recorder(logits, params)
-    no_rows = torch.empty(0, dtype=torch.long)
-    steps_run = max_new
-    rows: torch.Tensor | None = None  # the rows the runner still decodes (None: all of them)
-    for step in range(max_new):
-        col = prompt_len + step
-        suppress_eos = step < params.min_new_tokens and t.eos_ids.numel() > 0
-        uniform = draws(step)
-        if fused is not None:
-            tokens = fused(logits.contiguous(), uniform, no_rows if rows is None else rows, params.temperature,
-                           t.eos_ids, suppress_eos, params.pad_token_id, col, t.sequences, t.action_mask,
-                           t.token_logprobs, t.finished)
-        else:
-            _record_python(t, logits, uniform, rows, col, suppress_eos, params)
-            tokens = t.sequences[slice(None) if rows is None else rows, col : col + 1]
-        if step == max_new - 1:
-            break
-        if params.sync_every and (step + 1) % params.sync_every == 0:
-            done = t.finished if rows is None else t.finished[rows]
-            n_done = int(done.sum())  # the loop's one host sync
-            if n_done == done.numel():
-                steps_run = step + 1
-                break
-            if params.drop_finished and 4 * n_done >= done.numel():
-                keep = (~done).nonzero().squeeze(1)
-                runner.expand(keep)
-                rows = keep if rows is None else rows[keep]
-                tokens = tokens[keep]
-        index = slice(None) if rows is None else rows
-        logits = runner.decode(tokens, model_mask[index, : col + 1], step_positions[index, step : step + 1])
-    return steps_run

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import COMPUTE_DTYPES, ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
+from rlhf.engine.fsdp import ShardLoader, apply_fsdp
+from rlhf.engine.sharding import COMPUTE_DTYPES, resolve_dtype, sharding_plan, wraps_in_fsdp
 from rlhf.engine.logprobs import logprobs_from_logits
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.micro_batches import forward_in_micro_batches, length_sorted_micro_batches, padded_tokens
@@ -47,11 +48,10 @@ def micro_batch_slices(n: int, size: int) -> list[slice]:
 
 class FrozenModel:
     """A frozen model (sharded on several processes) that answers batched log-prob or score
-    queries; `compile`, `fused_layers` and `cpu_matmul` run its layers as a trained model's (`apply_fsdp`)."""
+    queries; `compile` and the device backend's modules run its layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
-                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None,
-                 fused_layers: bool = True, cpu_matmul: str = "auto") -> None:
+                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None) -> None:
         """`model` is whole, or on the meta device with `weights` to fill this rank's shards (read
         straight into the compute dtype: the whole model is never held, not even in fp32)."""
         model.requires_grad_(False)
@@ -61,8 +61,7 @@ class FrozenModel:
             param.data = param.data.to(COMPUTE_DTYPES[dtype])
         shard = wraps_in_fsdp(ctx.world_size, offload, dtype, trainable=False)
         self._bind(apply_fsdp(model, ctx, sharding_plan(zero_stage, trainable=False), dtype, offload, compile=compile,
-                              weights=weights, fused_layers=fused_layers, shard=shard,
-                              cpu_matmul=cpu_matmul), ctx, micro_batch_size, name)
+                              weights=weights, shard=shard), ctx, micro_batch_size, name)
 
     def _bind(self, model: nn.Module, ctx: DistributedContext, micro_batch_size: int, name: str) -> None:
         """The fields every query reads: an already sharded model and how to batch its forwards."""

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from rlhf.engine.kernels import fused_selective_log_softmax_forward
+from rlhf.engine.backends import backend_for
 
 SMALL_BATCH_ROW = 2**16
 """Logits in one batch row ([T, V]) up to which a strided input's rows are copied a chunk at a time
@@ -90,7 +90,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         batch, time, _ = logits.shape
-        fused = fused_selective_log_softmax_forward(logits, index) if logits.is_cuda else None
+        fused = backend_for(logits.device).selective_log_softmax(logits, index)
         if fused is not None:
             logp, lse = fused
         else:

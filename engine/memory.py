@@ -17,7 +17,7 @@ What a phase's peak is, per device:
   once in the log.
 
 RSS counts memory the C allocator keeps after a tensor is freed: the engine's glibc tuning
-(engine/host_memory.py) keeps freed blocks for the next step, so on the CPU a phase's peak includes
+(engine/backends/cpu/host_memory.py) keeps freed blocks for the next step, so on the CPU a phase's peak includes
 what earlier phases freed and the per-phase figures only grow. With `MALLOC_MMAP_THRESHOLD_=65536`
 in the environment (glibc then returns every freed tensor at once, and the engine leaves malloc as
 it is) RSS follows the live tensors, which is what `rlhf plan` predicts per phase.
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.engine.backends import backend_for
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -165,10 +166,9 @@ class PhaseMemory:
             _say_once("lifetime", "memory: no /proc here, so each phase's peak is the process's peak RSS so far")
             return "lifetime"
         if _reset_hwm():
-            if not any(k.startswith("MALLOC_") for k in os.environ):
-                _say_once("heap", "memory: CPU phase peaks are peak RSS, which keeps what glibc keeps after a "
-                                  "free (the engine's malloc tuning): a phase's figure includes what earlier "
-                                  "phases freed; MALLOC_MMAP_THRESHOLD_=65536 makes them the phase's own")
+            note = backend_for(self.device).peak_memory_note()
+            if note is not None:
+                _say_once("heap", f"memory: {note}")
             return "hwm"
         _say_once("sample", f"memory: {CLEAR_REFS} is not writable, so phase peaks come from sampling VmRSS every "
                             f"{SAMPLE_SECONDS * 1000:g} ms (shorter peaks can be missed)")

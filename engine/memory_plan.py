@@ -40,8 +40,8 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.engine.flops import Head, first_config_value
-from rlhf.engine.fsdp import wraps_in_fsdp
-from rlhf.engine.fused_layers import FUSED_LAYER_FAMILIES
+from rlhf.engine.sharding import wraps_in_fsdp
+from rlhf.engine.fast_decode import fast_decode_unsupported_reason
 from rlhf.engine.layers import decoder_layers
 
 Shape = tuple[int, ...]
@@ -92,13 +92,13 @@ class ModelShape:
     dropout keeps no noise: frozen embeddings give it no gradient)."""
     frozen_base: bool = False
     """LoRA: norms and the LM head are frozen, so autograd keeps fewer of their inputs."""
-    fused_layers: bool = False
-    """The layers run the fused layer ops (engine/fused_layers.py: Llama-family, float32 on a CPU):
-    each RMSNorm keeps only its input and rstd, the MLP its gate and up (not act(gate))."""
+    fused_layer_ops: bool = False
+    """The layers run a backend's fused layer ops (`Backend.fuses_layers`: the CPU's, for Llama-family
+    models in float32): each RMSNorm keeps only its input and rstd, the MLP its gate and up (not act(gate))."""
 
     @property
     def fuses_layers(self) -> bool:
-        return self.fused_layers and self.model_type in FUSED_LAYER_FAMILIES
+        return self.fused_layer_ops
 
     @property
     def layers(self) -> int:
@@ -141,8 +141,6 @@ def sharded_numel(shapes: tuple[Shape, ...], world: int) -> int:
 
 def _fused_projections(model: torch.nn.Module, layers: torch.nn.ModuleList) -> tuple[Shape, ...]:
     """Shapes of q/k/v and gate/up concatenated per layer by the fast decoder (Llama, Qwen2, Mistral)."""
-    from rlhf.engine.fast_decode import fast_decode_unsupported_reason
-
     model.eval()
     if fast_decode_unsupported_reason(model) is not None:
         return ()
@@ -179,12 +177,12 @@ def _adapter_terms(model: torch.nn.Module, head_shapes: list[Shape]) -> dict[str
 
 
 def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module], Any] | None = None,
-                fused_layers: bool = False) -> ModelShape:
+                fused_layer_ops: bool = False) -> ModelShape:
     """The parameter shapes of the causal LM (`head` "lm") or of the value model (backbone plus a
     hidden -> 1 head with bias: reward model, critic) that `config` describes; built on the meta
     device, so no weight is read or allocated. `adapt` changes the model in place first (the
-    app's LoRA injection: peft adapters, base frozen); `fused_layers`: the layers will run the
-    fused layer ops (see ModelShape.fused_layers)."""
+    app's LoRA injection: peft adapters, base frozen); `fused_layer_ops`: the layers will run a backend's
+    fused layer ops (see ModelShape.fused_layer_ops)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config) if head == "lm" else AutoModel.from_config(config)
     fused = _fused_projections(model, decoder_layers(model)) if head == "lm" else ()  # the rollout copy is plain
@@ -210,7 +208,7 @@ def model_shape(config: Any, head: Head = "lm", adapt: Callable[[torch.nn.Module
         intermediate=_first(text, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden), heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=_first(text, "vocab_size"),
         activation=str(getattr(text, "hidden_act", None) or getattr(text, "activation_function", "")),
-        fused_projections=fused, fused_layers=fused_layers, **lora,
+        fused_projections=fused, fused_layer_ops=fused_layer_ops, **lora,
     )
 
 
@@ -436,20 +434,8 @@ def fused_weight_bytes(shape: ModelShape, compute_bytes: int) -> int:
     return compute_bytes * shape.layers * sum(math.prod(s) for s in shape.fused_projections)
 
 
-def packed_weight_bytes(shape: ModelShape, compute_bytes: int) -> int:
-    """The fused CPU decode step's packed copy of every layer's projections (q/k/v together, o,
-    gate, up, down: Llama-family) and the LM head, in panels of 16 output columns (the last one
-    zero-padded)."""
-    def padded(out: int, inputs: int) -> int:
-        return math.ceil(out / 16) * 16 * inputs
-
-    h, i = shape.hidden, shape.intermediate
-    layer = padded(shape.q_dim + 2 * shape.kv_dim, h) + padded(h, shape.q_dim) + 2 * padded(i, h) + padded(h, i)
-    return compute_bytes * (shape.layers * layer + padded(shape.vocab, h))
-
-
 __all__ = [
     "COMPUTE_BYTES", "FrozenModelMemory", "ModelShape", "TrainedModelMemory", "fused_weight_bytes",
-    "inference_copy_bytes", "layer_saved_bytes", "model_shape", "packed_weight_bytes", "saved_activation_bytes",
+    "inference_copy_bytes", "layer_saved_bytes", "model_shape", "saved_activation_bytes",
     "sharded_numel", "working_set_bytes",
 ]

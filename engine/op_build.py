@@ -34,10 +34,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,10 +46,24 @@ from rlhf.engine.fileio import replace_file
 from rlhf.errors import debug_enabled
 from rlhf.logging import get_logger
 
-if TYPE_CHECKING:
-    from rlhf.engine.ops import OpSpec
-
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How to build one extension from csrc/."""
+
+    name: str
+    sources: tuple[str, ...]
+    """Paths relative to csrc/."""
+    needs_cuda: bool = False
+    extra_cflags: tuple[str, ...] = ()
+    extra_cuda_cflags: tuple[str, ...] = ()
+    extra_ldflags: tuple[str, ...] = ()
+    build_seconds: float = 60.0
+    """About how long a first build takes (two cores); the first-use log line says so until this
+    machine has built the op once and the measured time replaces it."""
+
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 """The op sources: <checkout>/csrc in a source tree or an editable install (engine/ is beside it),

@@ -10,7 +10,8 @@ and returns None so the caller takes its PyTorch reference path. `rlhf report --
 every op ahead of time (rlhf/report.py's `build_ops`).
 
 A build that loads is not trusted yet: the first time a build is loaded for a device, its
-self-test (engine/op_selftests.py) runs it against its PyTorch reference on small inputs. A
+self-test (registered with the op: `register_op(spec, self_test)`; engine/op_selftests.py) runs it
+against its PyTorch reference on small inputs. A
 mismatch (or an error the op raises) disables the op for the run, with one warning naming the
 op, the device and the difference, and the torch path is used. The verdict is cached beside the
 build (`selftest.json`, keyed by device and by the build's hash), so later processes on that
@@ -36,6 +37,7 @@ import torch
 from rlhf.engine.fileio import replace_file
 from rlhf.engine.op_build import (
     CSRC_DIR,
+    OpSpec,
     LockTimeout,
     build_lock,
     cached_build,
@@ -45,25 +47,10 @@ from rlhf.engine.op_build import (
     toolchain_folder,
 )
 from rlhf.engine.op_build import build_folder as _build_folder
+from rlhf.engine.op_selftests import SelfTest
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """How to build one extension from csrc/."""
-
-    name: str
-    sources: tuple[str, ...]
-    """Paths relative to csrc/."""
-    needs_cuda: bool = False
-    extra_cflags: tuple[str, ...] = ()
-    extra_cuda_cflags: tuple[str, ...] = ()
-    extra_ldflags: tuple[str, ...] = ()
-    build_seconds: float = 60.0
-    """About how long a first build takes (two cores); the first-use log line says so until this
-    machine has built the op once and the measured time replaces it."""
 
 
 @dataclass(frozen=True)
@@ -92,28 +79,32 @@ class _OpState:
     """How long this process spent compiling the op; None when it found the build in the cache."""
     folder: Path | None = None
     """The op's build folder (None when it was not looked for)."""
+    self_test: SelfTest | None = None
+    """What a fresh build must pass before it is used (None: not registered yet, the build is used untested)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _OPS: dict[str, _OpState] = {}
 
 
-OP_MODULES = ("rlhf.engine.fused_adam", "rlhf.engine.kernels", "rlhf.engine.cpu_decode", "rlhf.engine.layer_op")
-"""The modules that register csrc ops when imported."""
-
-
-def import_op_modules() -> None:
-    """Import every module of OP_MODULES, so that every op is registered."""
-    import importlib
-
-    for module in OP_MODULES:
-        importlib.import_module(module)
-
-
-def register_op(spec: OpSpec) -> None:
-    """Make `spec` known to `load_op` and `op_report`; registering the same name twice is a no-op."""
+def register_op(spec: OpSpec, self_test: SelfTest | None = None) -> None:
+    """Make `spec` known to `load_op` and `op_report`, with the self-test a build must pass (or
+    `register_self_test` later, where the test needs code that imports the op); registering the same
+    name twice is a no-op."""
     if spec.name not in _OPS:
         _OPS[spec.name] = _OpState(spec)
+    if self_test is not None:
+        register_self_test(spec.name, self_test)
+
+
+def register_self_test(name: str, self_test: SelfTest) -> None:
+    """The self-test of registered op `name` (run on each fresh build before it is used)."""
+    _OPS[name].self_test = self_test
+
+
+def self_tests() -> dict[str, SelfTest | None]:
+    """Every registered op's self-test, by op name (None where none is registered)."""
+    return {name: state.self_test for name, state in _OPS.items()}
 
 
 def build_directory(name: str) -> Path:
@@ -278,9 +269,9 @@ def _store_verdict(name: str, verdict: SelfTestVerdict) -> None:
 
 def run_self_test(name: str, module: ModuleType, device: torch.device) -> SelfTestVerdict:
     """Run op `name`'s self-test on `module` now (own RNG state, no autograd); never raises."""
-    from rlhf.engine.op_selftests import SELF_TESTS  # imports the references: not timed
-
-    test = SELF_TESTS[name]
+    test = _OPS[name].self_test
+    if test is None:
+        raise KeyError(f"op {name} has no registered self-test")
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
@@ -298,7 +289,7 @@ def _check_build(state: _OpState) -> None:
     """Give `state`'s freshly loaded build its verdict for this device (cached or run now);
     a failing build is dropped, so callers take the torch path."""
     spec, module = state.spec, state.module
-    if module is None or not self_test_enabled():
+    if module is None or not self_test_enabled() or state.self_test is None:
         return
     device = op_device(spec)
     key, build = device_description(device), build_hash(module)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf.engine.fused_layers import fused_attention_runs
+from rlhf.engine.backends import backend_for
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 from rlhf.engine.micro_batches import (
     MAX_PACK_TOKENS, budget_partition, forward_tokens, padded_tokens, real_spans, token_budget_micro_batches,
@@ -56,9 +56,8 @@ PACKED_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 def packing_unsupported_reason(model: nn.Module, device: torch.device | None = None) -> str | None:
     """Why `model` cannot run packed forwards (computing on `device` when given: with offload its
     weights live on the CPU while it computes elsewhere), or None when it can."""
-    if device is not None and device.type != "cpu":
-        return (f"it computes on {device.type}, where the fused CPU attention kernels (the ones that skip what a "
-                "pack's mask hides) do not run")
+    device = device or next(model.parameters()).device
+    backend = backend_for(device)
     if hasattr(model, "peft_config"):
         return "a LoRA (peft) model: its forward is not checked with packed inputs"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -66,12 +65,12 @@ def packing_unsupported_reason(model: nn.Module, device: torch.device | None = N
         return f"model type {model_type!r} is not one of {sorted(PACKED_FAMILIES)}"
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {model.config._attn_implementation!r} takes no 4D boolean mask"
-    if not fused_attention_runs(model):
+    if not backend.runs_packed_attention(model):
         # SDPA (GPU, bf16, --compile) computes every pair of an [N, N] mask: over a pack of short
         # rows that is more attention than the padding it saves (a GPU would want varlen flash
         # attention, not wired yet).
-        return ("its attention is not the fused CPU kernels (float32, --fused-layers), the ones that skip what a "
-                "pack's mask hides")
+        return (f"its attention on {device.type} is not one that skips what a pack's mask hides (the CPU backend's "
+                "fused kernels: float32, --cpu-fused-layers)")
     return None
 
 

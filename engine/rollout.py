@@ -36,9 +36,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers import AutoModelForCausalLM
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import COMPUTE_DTYPES
-from rlhf.engine.cpu_matmul import use_onednn_linears, uses_onednn_linears
-from rlhf.engine.fused_layers import fuse_layer_ops, uses_fused_layers
+from rlhf.engine.sharding import COMPUTE_DTYPES
+from rlhf.engine.backends import backend_for
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.lora import merged_parameters
@@ -113,11 +112,8 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
             buf.copy_(train_buffers[name].to(buf.dtype) if buf.is_floating_point() else train_buffers[name])
     if tp_size > 1:
         parallelize_module(model, ctx.tp_mesh(tp_size)["tp"], tensor_parallel_plan(model, tp_size))
-    else:  # layers and linears as train mode runs them (--fused-layers, --cpu-matmul): HF generation's too
-        if uses_fused_layers(train_model):
-            fuse_layer_ops(model)  # the fast decoder's prefill too
-        if uses_onednn_linears(train_model):
-            use_onednn_linears(model)
+    else:  # layers and linears as train mode runs them (the device backend's): HF generation's too
+        backend_for(ctx.device).prepare_like(model, train_model)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -277,7 +273,7 @@ class Rollout:
 
 def default_parity_tolerance(dtype: str, halved_kv_cache: bool = False) -> float:
     """Max log-prob difference tolerated between modes: tight in fp32, loose in 16-bit. A float16
-    KV cache under an fp32 model (`halved_kv_cache`, engine/fast_decode.py's kv_cache_halved) rounds
+    KV cache under an fp32 model (`halved_kv_cache`, `Backend.rounds_kv_cache`) rounds
     every cached key and value: on SmolLM2-135M its rollout log-probs differ from the training
     forward's by up to ~9e-3 (mean ~9e-4), so 0.05."""
     if dtype != "fp32":

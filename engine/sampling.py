@@ -4,13 +4,12 @@ Pure tensor functions with no host synchronisation (no `.item()`, no branching o
 values), so they can run inside a decode step that is captured or compiled. The semantics follow
 Hugging Face's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`, applied in
 that order (the order `transformers.generate` uses), which tests/test_generation.py checks.
-`process_logits` and `sample_from_logits` are the reference; `sample_next_token` runs the fused
-kernels behind it where they apply (`sampler_path` says which), drawing the same tokens.
+`process_logits` and `sample_from_logits` are the reference; `sample_next_token` (engine/next_token.py)
+runs a backend's fused sampler behind it where one applies, drawing the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,12 +52,6 @@ class SamplingParams:
     (rounded as they are written, widened as they are read): half the cache's memory and of the
     bytes each decode step reads; "auto" is fp16 where that applies, else the model's dtype
     (engine/fast_decode.py's kv_cache_torch_dtype; `rlhf ppo`'s default)."""
-    decode_rows_per_group: int | None = None
-    """Decode the rows in groups of this many, each group to its end, so that a group's KV cache and
-    the weights stay in the CPU's last-level cache across its steps (engine/decode_groups.py; the
-    same draws either way). None: the fast decoder's fused CPU step over packed weights picks it
-    from the cache size (every row together anywhere else); a number >= the batch: every row together."""
-
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -72,11 +65,6 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.sync_every < 0:
             raise ValueError(f"SamplingParams.sync_every must be >= 0, got {self.sync_every}")
-        if self.decode_rows_per_group is not None and (
-                isinstance(self.decode_rows_per_group, bool) or not isinstance(self.decode_rows_per_group, int)
-                or self.decode_rows_per_group < 1):
-            raise ValueError(f"SamplingParams.decode_rows_per_group must be None (automatic) or an int >= 1, "
-                             f"got {self.decode_rows_per_group!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"SamplingParams.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
@@ -98,7 +86,7 @@ def process_logits(
 
     Removed tokens get -inf, so `softmax` of the result is the distribution sampled from.
     At least one token (the most likely) always survives. This is the one definition of the
-    filter: the generation loop, the fused CUDA sampling kernel (engine/kernels.py,
+    filter: the generation loop, the fused CUDA sampling kernel (engine/backends/cuda/kernels.py,
     csrc/generation/sampling.cu) and its reference all follow it.
 
     x = logits / temperature. Top-k keeps x >= the k-th largest x (ties with the k-th are kept,
@@ -147,7 +135,7 @@ def sample_from_logits(
     row, the token is the first index i whose running sum m_0 + ... + m_i exceeds u * sum(m);
     if rounding leaves none, the last index with m_i > 0. A token of zero mass can never be
     picked. `uniform` [B] is drawn with `generator` on the logits' device when not given; this
-    is the contract of the fused sampling kernel (engine/kernels.py), so both paths draw the
+    is the contract of the fused sampling kernel (engine/backends/cuda/kernels.py), so both paths draw the
     same tokens from the same uniforms. Rows of [B, vocab] -> [B] int64.
     """
     scores = logits.float()
@@ -162,64 +150,47 @@ def sample_from_logits(
     return torch.where(token < vocab, token, last_positive)
 
 
-def _fused_cpu_sampler(logits: torch.Tensor, params: SamplingParams) -> Callable[..., torch.Tensor] | None:
-    """The csrc CPU sampler (engine/cpu_decode.py) where it applies: float32 CPU logits, plain
-    temperature sampling (top-k/top-p take the torch path). It draws by the same contract as
-    sample_from_logits in one call instead of ~15 small ops (its exp may round differently in
-    the last bit, so a token can differ only where a uniform falls on a CDF step's edge)."""
-    if params.top_k or params.top_p < 1.0 or logits.device.type != "cpu" or logits.dtype != torch.float32:
-        return None
-    from rlhf.engine.cpu_decode import load_cpu_decode_op
-
-    op = load_cpu_decode_op()
-    return None if op is None else op.sample
+def check_sampling_args(logits: torch.Tensor, top_k: int, top_p: float) -> None:
+    if logits.dim() != 2 or logits.shape[-1] < 1:
+        raise ValueError(f"sample_tokens: logits must be [batch, vocab], got {tuple(logits.shape)}")
+    if top_k < 0:
+        raise ValueError(f"sample_tokens: top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"sample_tokens: top_p must be in [0, 1], got {top_p}")
 
 
-SamplerPath = Literal["greedy", "cuda_kernel", "cpu_kernel", "reference"]
+# The sampling kernels' filter is the generation loop's: one definition (see process_logits).
+filter_logits_reference = process_logits
 
 
-def sampler_path(logits: torch.Tensor, params: SamplingParams) -> SamplerPath:
-    """Which implementation `sample_next_token` runs for these logits (all draw the same tokens).
-
-    CUDA logits go to the fused CUDA kernel (`kernels.sample_tokens`, which itself falls back
-    to the reference when its op cannot be built); float32 CPU logits under plain temperature
-    sampling go to the csrc CPU sampler where it builds; anything else, and everything inside
-    `kernels.generation_kernels(False)`, runs the PyTorch reference.
-    """
-    from rlhf.engine.kernels import generation_kernels_enabled  # kernels imports this module
-
-    if not params.do_sample:
-        return "greedy"
-    if not generation_kernels_enabled():
-        return "reference"
-    if logits.is_cuda:
-        return "cuda_kernel"
-    return "cpu_kernel" if _fused_cpu_sampler(logits, params) is not None else "reference"
-
-
-def sample_next_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
+def sample_tokens_reference(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    uniform: torch.Tensor | None = None, generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """The next token of every row of [batch, vocab] logits under `params` -> [batch] int64.
+    """Next token per row of [B, V] logits -> [B] int64, without host synchronisation.
 
-    Every path draws one uniform per row with `generator` on the logits' device, as
-    `sample_from_logits` does, so a seeded generator gives the same tokens on each of them; or
-    takes `uniform` [batch] float32 (generation draws a whole batch's and passes the rows it
-    still decodes, so dropping finished rows leaves the others' draws unchanged).
+    temperature <= 0 is greedy: the first index of the maximum raw logit (`torch.argmax`).
+    Otherwise `process_logits` (temperature, top-k, top-p), then one inverse-CDF draw per row
+    by `sample_from_logits` from `uniform` [B] float32 (drawn with `generator` when not given).
     """
-    path = sampler_path(logits, params)
-    if path == "greedy":
+    check_sampling_args(logits, top_k, top_p)
+    if not temperature > 0:
         return torch.argmax(logits, dim=-1)
-    if path == "cuda_kernel":
-        from rlhf.engine.kernels import sample_tokens
+    return sample_from_logits(process_logits(logits, temperature, top_k, top_p), generator, uniform)
 
-        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator=generator,
-                             uniform=uniform)
-    if path == "cpu_kernel":
-        fused = _fused_cpu_sampler(logits, params)
-        if uniform is None:  # as sample_from_logits draws
-            uniform = torch.rand(logits.shape[0], dtype=torch.float32, generator=generator)
-        return fused(logits, uniform, params.temperature)
-    scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
-    return sample_from_logits(scores, generator, uniform)
+
+def draw_explained_by_rounding(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float, token: int
+) -> bool:
+    """Whether a sampler that drew `token` from the 1-D `logits` with uniform `u` differs from
+    `sample_tokens_reference` only by float32 rounding: `u` lies within rounding of the edge of
+    `token`'s CDF step, and `token` has mass after filtering. How a fused sampler is judged."""
+    if temperature <= 0:
+        return False  # greedy has no draw to round
+    scores = process_logits(logits[None].double(), temperature, top_k, top_p)[0]
+    mass = torch.exp(scores - scores.max())
+    cdf = mass.cumsum(0)
+    target = u * cdf[-1]
+    lo = cdf[token - 1] if token > 0 else cdf.new_zeros(())
+    slack = 1e-5 * cdf[-1]
+    return bool(mass[token] > 0 and lo - slack <= target <= cdf[token] + slack)

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import ShardLoader, apply_fsdp, resolve_dtype, sharding_plan, wraps_in_fsdp
+from rlhf.engine.fsdp import ShardLoader, apply_fsdp
+from rlhf.engine.sharding import resolve_dtype, sharding_plan, wraps_in_fsdp
 from rlhf.engine.fused_adam import FusedAdamW, total_norm
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import build_optimizer, build_scheduler
@@ -146,9 +147,8 @@ class TrainEngine:
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
         self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
-                                config.compile, weights, config.fused_layers,
-                                shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True),
-                                cpu_matmul=config.cpu_matmul)
+                                config.compile, weights,
+                                shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True))
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
         # name shared so that every rank raises alike; not again when the loader checked what it read
         # (`checks_finite`: the app's safetensors loader, whose error names the folder).

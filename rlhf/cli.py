@@ -3,7 +3,7 @@
 Every config field is a flag (its docstring's first paragraph is the help; docs/config.md, written
 by `rlhf.config_docs`, has it all). Precedence, lowest first: defaults < --deepspeed-config <
 --trl-config < --config file < flags given on the command line, applied by
-`rlhf.config.resolve_config`; this module only gathers the sources. Every error a user can cause,
+`rlhf.config_sources.resolve_config`; this module only gathers the sources. Every error a user can cause,
 click's own included, is one `error:` line and exit code 2 (`main`: a bad flag, file, model folder or
 data row, a full disk, a read-only folder, memory that cannot be allocated, a stalled rank; with
 several ranks only the first to fail prints it); RLHF_DEBUG=1 shows the traceback instead. Any other
@@ -13,6 +13,9 @@ exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import json
+import logging
 import math
 import os
 import sys
@@ -22,7 +25,11 @@ from typing import Any, Literal
 
 import click
 
-from rlhf.config import ConfigSources, FieldInfo, RunConfig, leaf_fields, read_config_file, resolve_config
+from rlhf import __version__
+from rlhf.config import (
+    RENAMED_FIELDS, DataConfig, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields, read_config_file,
+)
+from rlhf.config_sources import ConfigSources, resolve_config
 from rlhf.errors import JobStalled, UserError, as_user_error, debug_enabled
 
 _output_path: str | None = None
@@ -44,11 +51,50 @@ def _option(info: FieldInfo) -> Callable[[Callable[..., Any]], Callable[..., Any
     return click.option(flag, info.name, type=click_type, default=None, help=help_text)
 
 
+SECTION_HEADINGS: dict[str, str] = {"cpu": "CPU tuning (the cpu: section)", "cuda": "CUDA tuning (the cuda: section)"}
+"""The config sections whose options `--help` lists under a heading of their own (TUNING_SECTIONS)."""
+
+
+class SectionedCommand(click.Command):
+    """A stage command whose `--help` lists each device backend's tuning options under its own heading."""
+
+    field_sections: dict[str, str | None] = {}
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                section = self.field_sections.get(param.name or "")
+                groups.setdefault(SECTION_HEADINGS.get(section or "", "Options"), []).append(record)
+        for heading, records in groups.items():
+            with formatter.section(heading):
+                formatter.write_dl(records)
+
+
+def _renamed_options(cls: type, f: Callable[..., Any]) -> Callable[..., Any]:
+    """Hidden flags of the earlier names of `cls`'s fields (RENAMED_FIELDS: `--no-fused-layers` is
+    `--no-cpu-fused-layers`), so that existing command lines keep working."""
+    by_name = {info.name: info for info in leaf_fields(cls)}
+    for old, new in RENAMED_FIELDS.items():
+        info = by_name.get(new)
+        if info is None:
+            continue
+        flag = "--" + old.replace("_", "-")
+        if info.base_type is bool:
+            f = click.option(f"{flag}/--no-{flag[2:]}", old, default=None, hidden=True)(f)
+        else:
+            f = click.option(flag, old, type={int: int, float: float}.get(info.base_type, str), default=None,
+                             hidden=True)(f)
+    return f
+
+
 def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add one click option per leaf field of `cls`, plus --config / --deepspeed-config / --nproc-per-node
     (and --trl-config for a stage's config)."""
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = _renamed_options(cls, f)
         for info in reversed(leaf_fields(cls)):
             f = _option(info)(f)
         if issubclass(cls, RunConfig):
@@ -60,7 +106,7 @@ def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., An
         f = click.option("--deepspeed-config", "deepspeed_config", type=str, default=None,
                          help="A DeepSpeed ds_config.json; its batch, ZeRO, offload, precision, optimizer, "
                               "scheduler and checkpointing keys set the engine.")(f)
-        config_help = ("YAML/JSON config file (fields flat or under engine:/data:/tracking:/lora:)."
+        config_help = ("YAML/JSON config file (fields flat or under engine:/data:/tracking:/lora:/cpu:/cuda:)."
                        if issubclass(cls, RunConfig) else
                        "YAML/JSON config file: these options at the top level, each stage's under sft:/reward:/ppo:.")
         f = click.option("--config", "config_file", type=str, default=None, help=config_help)(f)
@@ -81,18 +127,16 @@ def build_config(cls: type, kwargs: dict[str, Any], command: str = "config", wor
     """A stage command's config: defaults < --deepspeed-config < --trl-config < --config < flags
     (`resolve_config`). `world_size`: the processes the run will have (default: WORLD_SIZE, else
     --nproc-per-node), which a TRL config's global generation_batch_size is divided by."""
+    # The two readers (~15 ms, TRL's key table) load when a command runs, not for `rlhf --help`.
+    from rlhf.ds_config import import_ds_config
+    from rlhf.trl_config import deepspeed_config_path, import_trl_config  # as above
+
     file_path, trl = kwargs.get("config_file"), None
     if kwargs.get("trl_config"):
-        from rlhf.trl_config import import_trl_config
-
         world = world_size or int(os.environ.get("WORLD_SIZE") or kwargs.get("nproc_per_node") or 1)
         trl = import_trl_config(kwargs["trl_config"], world)
-    from rlhf.trl_config import deepspeed_config_path
-
     ds_path, deepspeed = deepspeed_config_path(kwargs.get("deepspeed_config"), trl), None
     if ds_path:
-        from rlhf.ds_config import import_ds_config
-
         deepspeed = import_ds_config(ds_path)
     sources = ConfigSources(deepspeed=deepspeed, trl=trl, file=read_config_file(file_path) if file_path else {},
                             file_name=file_path or "--config", flags=given_flags(kwargs))
@@ -128,13 +172,12 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     torchrun's own handling would end the launcher with a SignalException traceback and kill the
     workers 30 s later. (A torch whose launcher ignores TORCHELASTIC_SIGNALS_TO_HANDLE forwards
     the signal itself: its SignalException becomes that code.)"""
-    import logging
-
+    # torch (seconds to import) loads only for a command that runs: `rlhf --help` stays fast.
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # as above
+    from torch.distributed.run import parse_args, run  # as above
 
-    from rlhf.engine.preemption import STOP_SIGNALS, exit_code, forward_stop_signals, signal_name
+    from rlhf.engine.preemption import STOP_SIGNALS, exit_code, forward_stop_signals, signal_name  # torch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"  # not SIGTERM/SIGINT: forwarded below
@@ -174,13 +217,9 @@ class FiniteFloat(click.FloatRange):
 
 def package_version() -> str:
     """The installed rlhf's version (its metadata), else the source tree's."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("rlhf")
-    except PackageNotFoundError:
-        from rlhf import __version__
-
+        return importlib.metadata.version("rlhf")
+    except importlib.metadata.PackageNotFoundError:
         return __version__
 
 
@@ -207,22 +246,22 @@ def stage_command(name: str, config_cls: type, module_name: str, help: str) -> c
         config = build_config(config_cls, kwargs, f"rlhf {name}")  # a bad value fails once, before torchrun
         relaunch_under_torchrun(kwargs.get("nproc_per_node"))
         _output_path = config.output or None
-        from rlhf.engine.distributed import set_dist_timeout
+        from rlhf.engine.distributed import set_dist_timeout  # torch: loaded by a command that runs only
 
         set_dist_timeout(config.engine.dist_timeout)
         stage = importlib.import_module(f"rlhf.stages.{module_name}")
-        from rlhf.engine.preemption import stop_on_signals
+        from rlhf.engine.preemption import stop_on_signals  # torch, as above
 
         with stop_on_signals():  # SIGTERM/SIGINT: a checkpoint at the next step, then exit 143/130
             summary = stage.run(config)
         _print_summary(summary)
 
-    return cli.command(name, help=help)(command)
+    registered = cli.command(name, help=help, cls=SectionedCommand)(command)
+    registered.field_sections = {info.name: info.section for info in leaf_fields(config_cls)}
+    return registered
 
 
 def _register_stages() -> None:
-    from rlhf.config import E2EConfig, PPOConfig, RewardConfig, SFTConfig
-
     stage_command("sft", SFTConfig, "sft", """
         Supervised fine-tuning on demonstrations (prompt/response, pairs' chosen, dialogs, chat messages).""")
     stage_command("reward", RewardConfig, "reward", """
@@ -251,7 +290,7 @@ def _register_stages() -> None:
         Re-running skips finished stages and resumes an interrupted one.
         """
         global _output_path
-        from rlhf.stages import e2e
+        from rlhf.stages import e2e  # torch, transformers: loaded by a command that runs only
 
         flags = e2e.parse_prefixed_flags(list(ctx.args))
         file_name = kwargs.get("config_file") or "--config"
@@ -260,7 +299,7 @@ def _register_stages() -> None:
         config = e2e.resolve_e2e_config(ConfigSources(file=top, file_name=file_name, flags=given_flags(kwargs)))
         relaunch_under_torchrun(kwargs.get("nproc_per_node"))
         _output_path = config.output
-        from rlhf.engine.preemption import stop_on_signals
+        from rlhf.engine.preemption import stop_on_signals  # torch, as above
 
         with stop_on_signals("resume by running the same rlhf e2e command again"):  # as for a stage
             summary = e2e.run(config, sections, flags, file_name, kwargs.get("deepspeed_config"))
@@ -280,7 +319,7 @@ def _register_stages() -> None:
     def chat_command(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int) -> None:
         """Talk to a model: answers with a causal LM, scores 'prompt ||| response' with a reward model."""
-        from rlhf.stages.chat import chat
+        from rlhf.stages.chat import chat  # torch, transformers: loaded by a command that runs only
 
         chat(model_dir, prompt, max_new_tokens, temperature, top_p, seed)
 
@@ -289,7 +328,7 @@ def _register_stages() -> None:
                   "for a container image), one line per op; exit code 1 if one fails.")
     def report_command(build: bool) -> None:
         """Versions and which csrc ops are built (like DeepSpeed's ds_report)."""
-        from rlhf.report import build_ops, print_report
+        from rlhf.report import build_ops, print_report  # torch: loaded by a command that runs only
 
         if build and not build_ops():
             click.echo("error: an op failed to build or failed its self-test (see above); it would run its "
@@ -319,7 +358,7 @@ def models_get_command(name: str | None, output: str, gguf_file: str | None, whe
     rlhf models get smollm2-135m-instruct --output models/smollm2
     rlhf models get --gguf FILE.gguf --output models/mine
     """
-    from rlhf.models.gguf import format_report, get_model
+    from rlhf.models.gguf import format_report, get_model  # torch: loaded by a command that runs only
 
     global _output_path
     _output_path = output
@@ -333,8 +372,6 @@ def data_group() -> None:
 
 
 def _data_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    from rlhf.config import DataConfig
-
     for info in reversed(leaf_fields(DataConfig)):
         f = _option(info)(f)
     return f
@@ -361,8 +398,7 @@ def data_inspect_command(stage: str, model: str, rows: int, as_json: bool, max_p
     rlhf data inspect --stage sft --model MODEL --data chats.jsonl
     rlhf data inspect --stage reward --model MODEL --data prefs --data-train-split train_prefs --json
     """
-    from rlhf.config import DataConfig
-    from rlhf.stages.data_inspect import format_json, format_plain, inspect_data
+    from rlhf.stages.data_inspect import format_json, format_plain, inspect_data  # transformers: for a command that runs
 
     data = resolve_config(DataConfig(), ConfigSources(flags=given_flags(kwargs)), where="rlhf data inspect")
     if not data.data:
@@ -421,11 +457,10 @@ def plan_command(name: str, config_cls: type) -> None:
                   help="CPU: the process's memory before any model loads [default: measured in this process].")
     def command(world_size: int | None, seq_len: int | None, prompt_len: int | None, device: str,
                 baseline_gb: float | None, **kwargs: Any) -> None:
-        import json
-
+        # torch and the stage's modules load only for a command that runs: `rlhf --help` stays fast.
         import torch
 
-        from rlhf.stages.plan import format_plan, plan_stage
+        from rlhf.stages.plan import format_plan, plan_stage  # torch, as above
 
         world = world_size or kwargs.get("nproc_per_node") or 1
         config = build_config(config_cls, kwargs, f"rlhf plan {name}", world_size=world)
@@ -437,8 +472,6 @@ def plan_command(name: str, config_cls: type) -> None:
 
 
 def _register_plans() -> None:
-    from rlhf.config import PPOConfig, RewardConfig, SFTConfig
-
     for name, config_cls in (("sft", SFTConfig), ("reward", RewardConfig), ("ppo", PPOConfig)):
         plan_command(name, config_cls)
 
@@ -450,11 +483,10 @@ def _end_distributed(code: int = 0) -> None:
     """After a successful multi-process command (or one every rank stopped for a signal, `code`
     143/130): wait for every rank, tear the group down, and end the rank with `code` without
     interpreter finalization (`exit_rank` says why)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from rlhf.engine.distributed import exit_rank, shutdown_process_group
-        from rlhf.output_lock import release_all
+    dist = sys.modules.get("torch.distributed")  # not loaded (`rlhf --help`, a bad flag): no process group
+    if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        from rlhf.engine.distributed import exit_rank, shutdown_process_group  # torch: a command ran
+        from rlhf.output_lock import release_all  # the stage that took the lock loaded it (as in main)
 
         shutdown_process_group()
         release_all()  # exit_rank skips interpreter finalization: the lock file goes now
@@ -507,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = getattr(exc, "ctx", None)
         hint = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
         if isinstance(exc, click.NoSuchOption):
-            from rlhf.trl_config import flag_for_trl_key
+            from rlhf.trl_config import flag_for_trl_key  # TRL's key table: read on a bad flag only
 
             ours = flag_for_trl_key(exc.option_name)
             if ours == "--trl-config":

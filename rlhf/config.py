@@ -2,7 +2,7 @@
 
 Precedence, lowest first: dataclass defaults < `--deepspeed-config` (engine keys) < `--trl-config`
 (a TRL trainer config, `rlhf.trl_config`) < `--config` file < explicit CLI flags, applied by
-`resolve_config` alone. Every section's field names are unique
+`rlhf.config_sources.resolve_config` alone. Every section's field names are unique
 across sections, so each field is also a CLI flag (`micro_batch_size` -> `--micro-batch-size`) and
 may appear in a config file either flat or under its section (`engine:`, `data:`, `tracking:`, `lora:`). The
 resolved config is saved beside every output as config.yaml.
@@ -25,21 +25,17 @@ import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 
+from rlhf.algorithms.estimators import ESTIMATORS, AdvantageEstimator, Estimator
 from rlhf.config_fields import (  # re-exported: the stage configs' machinery
     FieldInfo, coerce, field_docs, fields_by_name, leaf_fields, parse_value, set_field, strip_optional,
 )
+from rlhf.engine.backends import RENAMED_FIELDS, CpuConfig, CudaConfig
 from rlhf.engine.config import Bounds, EngineConfig, ZeroStage, bounded, checked
 from rlhf.errors import UserError
-
-if TYPE_CHECKING:
-    from rlhf.ds_config import DeepSpeedImport
-    from rlhf.trl_config import TrlImport
-
-ConfigT = TypeVar("ConfigT")
 
 
 @dataclass(frozen=True)
@@ -277,9 +273,11 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
 
     def validate(self, where: str = "config") -> None:
-        """Rules between fields, checked once after every source is applied (`resolve_config`)."""
+        """Rules between fields, checked once after every source is applied (`rlhf.config_sources.resolve_config`)."""
         self.engine.validate(where)
         self.data.validate(where)
         self.lora.validate(where)
@@ -341,13 +339,10 @@ class RewardConfig(StageConfig):
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
-AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 LossAggregation = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPlacement = Literal["auto", "reward", "loss"]
 ImportanceRatio = Literal["token", "sequence"]
 KVCacheDtype = Literal["auto", "model", "fp16"]  # engine/sampling.py's KV_CACHE_DTYPES
-# Estimators that compare a prompt's samples with each other: they need --samples-per-prompt >= 2.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclass
@@ -528,15 +523,6 @@ class PPOConfig(RunConfig):
     difference is measured every iteration as old_logprob_diff_max, and the default tolerances are 0.05
     there.
     """
-    decode_rows_per_group: int | None = bounded(None, ge=1)
-    """Decode a rollout's rows in groups of this many, each to its end, so that its KV cache and the weights stay in
-    the CPU's last-level cache.
-
-    The draws are the same either way. Unset: the fused CPU decode step over packed weights (--cpu-matmul
-    onednn; auto on AMD CPUs) picks the group from the last-level cache size, e.g. 8 rows for a 4-layer
-    tiny Llama on a 32 MB L3 (engine/decode_groups.py). Models whose weights exceed the cache decode every
-    row together, as every other decode path does.
-    """
     offload_ref: bool = False
     """Keep the frozen reference model's shards on CPU."""
     offload_reward: bool = False
@@ -597,7 +583,7 @@ class PPOConfig(RunConfig):
         if self.ptx_coef > 0 and not self.ptx_data:
             raise UserError(f"{where}: ptx_coef: {self.ptx_coef} needs ptx_data (the data of the PTX loss); pass "
                             "--ptx-data or leave ptx_coef at 0")
-        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+        if self.estimator.needs_groups and self.samples_per_prompt < 2:
             raise UserError(f"{where}: samples_per_prompt: {self.samples_per_prompt} must be >= 2 with "
                             f"advantage_estimator {self.advantage_estimator} (it compares a prompt's samples)")
         if self.dynamic_sampling and self.samples_per_prompt < 2:
@@ -613,16 +599,20 @@ class PPOConfig(RunConfig):
                             "1, 2 or 3 (zero_stage 0 shards nothing to offload)")
 
     @property
+    def estimator(self) -> Estimator:
+        """--advantage-estimator's entry in the registry (rlhf/algorithms/estimators.py)."""
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
     def critic_free(self) -> bool:
         """Every estimator but GAE: no critic is loaded, trained or saved."""
-        return self.advantage_estimator != "gae"
+        return not self.estimator.needs_critic
 
     @property
     def kl_in_loss(self) -> bool:
         """The KL to the reference is a loss term (GRPO) rather than a per-token reward penalty."""
-        if self.kl_placement == "auto":
-            return self.advantage_estimator in ("grpo", "dr_grpo")
-        return self.kl_placement == "loss"
+        placement = self.estimator.kl_placement if self.kl_placement == "auto" else self.kl_placement
+        return placement == "loss"
 
     @property
     def kl_kind(self) -> KLEstimator:
@@ -634,9 +624,10 @@ class PPOConfig(RunConfig):
         """--loss-aggregation with `auto` resolved for the estimator and the importance ratio."""
         if self.loss_aggregation != "auto":
             return self.loss_aggregation
-        if self.advantage_estimator == "dr_grpo":
-            return "seq-mean-token-sum-norm"
-        return "seq-mean-token-mean" if self.importance_ratio == "sequence" else "token-mean"
+        default = self.estimator.loss_aggregation
+        if default == "token-mean" and self.importance_ratio == "sequence":
+            return "seq-mean-token-mean"
+        return default
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
@@ -733,7 +724,15 @@ class E2EConfig:
                             "no splits, configs or other columns: pass --data too, or drop them")
 
 
-SECTIONS: tuple[str, ...] = ("engine", "data", "tracking", "lora")
+SECTIONS: tuple[str, ...] = ("engine", "data", "tracking", "lora", "cpu", "cuda")
+TUNING_SECTIONS: tuple[str, ...] = ("cpu", "cuda")
+"""The device backends' sections (engine/backends/): how a device runs the models, not what they compute."""
+
+
+def field_named(by_name: Mapping[str, FieldInfo], key: str) -> FieldInfo | None:
+    """The field a file key or flag names (`-` or `_`, an earlier name too: the backends' RENAMED_FIELDS), or None."""
+    name = key.replace("-", "_")
+    return by_name.get(RENAMED_FIELDS.get(name, name))
 
 
 def apply_mapping(config: Any, mapping: Mapping[str, Any], source: str) -> None:
@@ -742,60 +741,16 @@ def apply_mapping(config: Any, mapping: Mapping[str, Any], source: str) -> None:
     for key, value in mapping.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                info = by_name.get(sub_key)
-                if info is None or info.section != key:
+                info = field_named(by_name, sub_key)
+                renamed = sub_key.replace("-", "_") in RENAMED_FIELDS
+                if info is None or (info.section != key and not renamed):
                     raise UserError(f"{source}: unknown key '{key}.{sub_key}'; see `rlhf <stage> --help` for the fields")
                 set_field(config, info, sub_value, f"{source}: {key}.{sub_key}")
             continue
-        info = by_name.get(key.replace("-", "_"))
+        info = field_named(by_name, key)
         if info is None:
             raise UserError(f"{source}: unknown key '{key}'; see `rlhf <stage> --help` for the fields")
         set_field(config, info, value, f"{source}: {key}")
-
-
-# ---------------------------------------------------------------- precedence
-
-
-@dataclass
-class ConfigSources:
-    """Where a config's values come from besides its defaults, lowest precedence first."""
-
-    deepspeed: DeepSpeedImport | None = None
-    """A parsed `--deepspeed-config` (`rlhf.ds_config.import_ds_config`)."""
-    trl: TrlImport | None = None
-    """A read `--trl-config` (`rlhf.trl_config.import_trl_config`): TRL's keys, mapped when applied."""
-    file: Mapping[str, Any] = field(default_factory=dict)
-    """A parsed `--config` file (flat or under engine:/data:/tracking:); for e2e, one stage's section."""
-    file_name: str = "--config"
-    """How errors name the file (e2e adds the section: `e2e.yaml [ppo]`)."""
-    flags: Mapping[str, Any] = field(default_factory=dict)
-    """Values given on the command line, by field name (`kl_coef` or `kl-coef`), as text or parsed by click."""
-    flag_prefix: str = "--"
-    """How errors name a flag: `--lr`, or `--ppo.lr` for e2e's prefixed stage flags."""
-
-
-def resolve_config(config: ConfigT, sources: ConfigSources, where: str = "config") -> ConfigT:
-    """Apply `sources` onto `config` (which holds the defaults): ds_config < TRL config < file <
-    flags, each value checked as it is set; then the rules between fields, once. Every command, and
-    e2e for each stage, resolves its config here and nowhere else."""
-    if sources.deepspeed is not None:
-        sources.deepspeed.apply_to(config)
-    if sources.trl is not None:
-        sources.trl.apply_to(config)
-    if sources.file:
-        apply_mapping(config, sources.file, sources.file_name)
-    by_name = fields_by_name(type(config))
-    for key, value in sources.flags.items():
-        flag = sources.flag_prefix + key.replace("_", "-")
-        info = by_name.get(key.replace("-", "_"))
-        if info is None:
-            command = sources.flag_prefix.strip("-.")
-            raise UserError(f"{flag}: `rlhf {command}` has no such option; see `rlhf {command} --help`")
-        set_field(config, info, value, flag)
-    validate = getattr(config, "validate", None)
-    if validate is not None:
-        validate(where)
-    return config
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import click
 
+from rlhf.cli import cli
 from rlhf.config import SECTIONS, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields
 from rlhf.engine.config import Bounds
 
@@ -147,8 +148,6 @@ def command_help(command: click.Command) -> list[str]:
 
 
 def _command(path: str) -> click.Command:
-    from rlhf.cli import cli
-
     command: click.Command = cli
     for name in path.split():
         command = command.commands[name]  # type: ignore[attr-defined]
@@ -157,8 +156,6 @@ def _command(path: str) -> click.Command:
 
 def command_paths(group: click.Group | None = None, prefix: str = "") -> list[str]:
     """Every command of `rlhf` (`sft`, `plan sft`, `chat`, ...), groups descended into."""
-    from rlhf.cli import cli
-
     paths = []
     for name, command in (group or cli).commands.items():
         path = f"{prefix}{name}"

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from rlhf.config import leaf_fields, save_config, to_dict
+from rlhf.config import TUNING_SECTIONS, leaf_fields, save_config, to_dict
 from rlhf.engine.fileio import replace_file
 from rlhf.errors import UserError
 from rlhf.output_lock import lock_output
@@ -142,8 +142,6 @@ RESUME_SAFE_FIELDS: dict[str, str] = {
     "max_skipped_steps": "how many non-finite steps in a row stop the run; raising it lets a stopped run go on",
     "dist_timeout": "how long a collective may wait before the run stops, not what is trained",
     "compile": "how the layers run (torch.compile), not what they compute",
-    "fused_layers": "how the layers run (fused csrc kernels), not what they compute",
-    "cpu_matmul": "which library runs the linears' matmuls on the CPU, not what they compute",
     "export_adapter": "what the finished run writes (adapter or merged model), not what is trained",
 }
 
@@ -176,13 +174,14 @@ def _short(value: Any, limit: int = 60) -> str:
 
 def resume_config_changes(saved: dict[str, Any], config: Any) -> list[str]:
     """`--flag old -> new` for each field of `config` that differs from the run's saved config
-    (`saved`: a checkpoint's, or config.yaml), outside RESUME_SAFE_FIELDS. Values are compared as
+    (`saved`: a checkpoint's, or config.yaml), outside RESUME_SAFE_FIELDS and the device backends'
+    sections (TUNING_SECTIONS: how a device runs the models, not what they compute). Values are compared as
     config.yaml holds them (a YAML round trip); a field `saved` lacks (an older version's) is not
     compared."""
     current = config_as_saved(config)
     changes = []
     for info in leaf_fields(type(config)):
-        if info.name in RESUME_SAFE_FIELDS:
+        if info.name in RESUME_SAFE_FIELDS or info.section in TUNING_SECTIONS:
             continue
         old_section = saved.get(info.section, {}) if info.section else saved
         new_section = current[info.section] if info.section else current

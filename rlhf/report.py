@@ -12,31 +12,22 @@ import shutil
 
 import click
 import torch
+import transformers
 
-
-def cpu_matmul_line() -> str:
-    """What --cpu-matmul auto runs float32 CPU linears with here, and why (engine/cpu_matmul.py)."""
-    from rlhf.engine.cpu_matmul import cpu_vendor, onednn_available, resolve_cpu_matmul
-
-    library = {"onednn": "oneDNN, decode steps over packed weights",
-               "aten": "torch's matmul (MKL)"}[resolve_cpu_matmul("auto")]
-    return (f"--cpu-matmul auto: {library} (CPU vendor {cpu_vendor() or 'unknown'}, "
-            f"oneDNN {'available' if onednn_available() else 'not in this torch'})")
+from rlhf.engine.backends import backend_for  # importing it registers every csrc op (engine/ops.py)
+from rlhf.engine.op_build import cuda_archs
+from rlhf.engine.ops import load_op, op_report, registered_ops, unavailable_reason
 
 
 def print_report() -> None:
-    import transformers
-
-    from rlhf.engine.ops import import_op_modules, load_op, op_report
-
     click.echo(f"python        {platform.python_version()}")
     click.echo(f"torch         {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     click.echo(f"transformers  {transformers.__version__}")
     click.echo(f"cuda device   {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
     click.echo(f"nvcc          {shutil.which('nvcc') or 'not found'}")
     click.echo(f"c++ compiler  {shutil.which('c++') or 'not found'}")
-    click.echo(f"cpu matmul    {cpu_matmul_line()}")
-    import_op_modules()
+    for label, text in backend_for(torch.device("cpu")).report_lines():
+        click.echo(f"{label:<13} {text}")
     click.echo("ops:")
     for row in op_report():
         load_op(str(row["name"]))
@@ -61,10 +52,6 @@ def build_ops() -> bool:
     one failed to build or failed its self-test. A CUDA op with no GPU here is skipped, unless
     TORCH_CUDA_ARCH_LIST names the GPUs to build it for (its self-test then waits for its first
     run on one)."""
-    from rlhf.engine.op_build import cuda_archs
-    from rlhf.engine.ops import import_op_modules, load_op, op_report, registered_ops, unavailable_reason
-
-    import_op_modules()
     specs = registered_ops()
     ok = True
     for i, spec in enumerate(specs, 1):

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf.data.tasks import TASKS
 from rlhf.errors import UserError, debug_enabled
 from rlhf.reward_batch import TRL_ARGUMENTS, RewardBatch, prompt_text, run_concurrently
 from rlhf.user_code import CallTimedOut, UserCall, bounded_await, user_call
@@ -235,8 +236,6 @@ class RewardFunction:
 def load_reward_function(spec: str) -> RewardFunction:
     """The function that `spec` names (see the module docstring), checked to be callable with one
     of the two conventions; a one-line UserError otherwise."""
-    from rlhf.data.tasks import TASKS
-
     forms = SPEC_FORMS.format(tasks=", ".join(sorted(TASKS)))
     if ":" not in spec:
         if spec in TASKS:

@@ -154,7 +154,7 @@ class Tracker:
             )
             log.info("W&B run %s (%s mode) in %s", run_name, mode, self._wandb.dir)
         if "tensorboard" in names:
-            try:
+            try:  # the optional tensorboard package ([tensorboard] extra), for --report-to tensorboard only
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from None
@@ -180,7 +180,7 @@ class Tracker:
             for r in rows:
                 f.write(strict_json({"step": step, "table": name, **dict(zip(columns, r))}) + "\n")
         if self._wandb is not None:
-            import wandb
+            import wandb  # loaded by __init__ for --report-to wandb (seconds to import: no other run loads it)
 
             self._wandb.log({f"{self.stage}/{name}": wandb.Table(columns=columns, data=rows)}, step=step)
 

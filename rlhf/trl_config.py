@@ -4,7 +4,7 @@ The file is a TRL `SFTConfig` (rlhf sft), `RewardConfig` (rlhf reward) or `GRPOC
 YAML or JSON in TRL's own key names, plus the keys TRL's CLI scripts read from the same YAML
 (TrlParser): ModelConfig's model_name_or_path and PEFT keys, ScriptArguments' dataset_* keys, the
 GRPO script's reward_funcs and reward_model_name_or_path. Precedence, lowest first: defaults <
---deepspeed-config < --trl-config < --config < flags (`rlhf.config.resolve_config`).
+--deepspeed-config < --trl-config < --config < flags (`rlhf.config_sources.resolve_config`).
 
 `TRL_KEYS` is the whole mapping, read top to bottom. Each key is one of:
 
@@ -17,7 +17,8 @@ GRPO script's reward_funcs and reward_model_name_or_path. Precedence, lowest fir
   Joint(function)     read together with the keys whose meaning it shares (the batch arithmetic,
                       precision, schedule, GRPO's loss, PEFT, ...), once, where its first key is.
 
-The converters and the joint readings live in `rlhf.trl_convert`.
+The converters, the joint readings and the reader they fill (`TrlReader`) live in
+`rlhf.trl_convert`.
 
 Any other key (use_vllm, push_to_hub, dataloader_num_workers, logging_dir, a typo...) has no
 meaning here: they are all listed in one warning line. A null value is an unset key (TRL's
@@ -31,11 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from rlhf.config import PPOConfig, RewardConfig, SFTConfig, fields_by_name, parse_value, read_config_file
+from rlhf.config import PPOConfig, RewardConfig, SFTConfig, read_config_file
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 from rlhf import trl_convert as convert
-from rlhf.trl_convert import ALL, COMMANDS, GRPO, ONLY_GRPO, ONLY_REWARD, ONLY_SFT, REWARD, SFT, TRAINER
+from rlhf.trl_convert import (
+    ALL, COMMANDS, GRPO, ONLY_GRPO, ONLY_REWARD, ONLY_SFT, REWARD, SFT, TRAINER, TrlReader,
+)
 
 log = get_logger(__name__)
 
@@ -78,84 +81,6 @@ class Joint:
 Rule = Union[To, Only, Joint]
 
 
-class TrlReader:
-    """One TRL file applied to one stage config: the converted values, and the keys not used."""
-
-    def __init__(self, path: Path, data: Mapping[str, Any], stage: str, config: Any, world_size: int,
-                 skip: Mapping[str, str]) -> None:
-        self.path, self.stage, self.config, self.world_size = path, stage, config, world_size
-        # TrainingArguments.to_dict() writes a *_token key's value as "<KEY>": a saved config's unset token
-        self.data = {k: None if isinstance(v, str) and k.endswith("_token") and v == f"<{k.upper()}>" else v
-                     for k, v in data.items() if k not in skip}
-        self.skipped = [f"{k} ({skip[k]})" for k in data if k in skip]
-        self.fields = fields_by_name(type(config))
-        self.values: dict[str, Any] = {}
-        self.ignored: list[str] = []
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.data.get(key)
-        return default if value is None else value
-
-    def set(self, name: str, value: Any, key: str) -> None:
-        self.values[name] = parse_value(self.fields[name], value, f"{self.path}: {key}")
-
-    def current(self, name: str) -> Any:
-        """The field as this file leaves it so far: its value from the file, else from below."""
-        if name in self.values:
-            return self.values[name]
-        info = self.fields[name]
-        return getattr(getattr(self.config, info.section) if info.section else self.config, name)
-
-    def refuse(self, key: str, why: str) -> UserError:
-        return UserError(f"{self.path}: {key}: {self.data.get(key)!r} {why}")
-
-    def ignore(self, key: str, reason: str = "") -> None:
-        self.ignored.append(f"{key} ({reason})" if reason else key)
-
-    def steps_per_iteration(self) -> float:
-        """GRPO: the optimizer steps one generation feeds (TRL's unit of max_steps, logging_steps,
-        save_steps): ppo_epochs x the minibatches of one experience batch. 1 for sft and reward."""
-        if self.stage != GRPO:
-            return 1.0
-        generation = self.current("generation_batch_size")
-        if self.current("train_batch_size"):
-            minibatch = self.current("train_batch_size") / self.world_size
-        elif self.current("grad_accum"):
-            minibatch = self.current("micro_batch_size") * self.current("grad_accum")
-        else:  # rlhf ppo's default: the whole experience is one minibatch
-            minibatch = generation
-        return self.current("ppo_epochs") * generation / minibatch
-
-    def read(self) -> None:
-        done: set[Callable[[TrlReader], None]] = set()
-        for key, rules in TRL_KEYS.items():
-            rule = rule_for(rules, self.stage)
-            if isinstance(rule, Joint):
-                wanted = rule.always or any(self.has(k) for k in joint_keys(rule, self.stage))
-                if rule.function not in done and wanted:
-                    rule.function(self)
-                done.add(rule.function)
-            elif rule is not None and key in self.data:
-                self.read_key(key, rule, self.data[key])
-        unknown = [k for k in self.data if rule_for(TRL_KEYS.get(k, ()), self.stage) is None]
-        self.ignored = unknown + self.skipped + self.ignored
-
-    def read_key(self, key: str, rule: To | Only, value: Any) -> None:
-        if value is None:
-            if isinstance(rule, To) and rule.null:
-                raise self.refuse(key, rule.null)
-            return
-        if isinstance(rule, Only):
-            if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in rule.accepted):
-                raise self.refuse(key, rule.fix)
-            return
-        name = rule.field if isinstance(rule.field, str) else rule.field[self.stage]
-        self.set(name, rule.convert(self, key, value), key)
-
-
 def rule_for(rules: Rule | tuple[Rule, ...], stage: str) -> Rule | None:
     """The rule of a key for `stage` (a key may mean different things per stage), or None."""
     for rule in rules if isinstance(rules, tuple) else (rules,):
@@ -167,6 +92,36 @@ def rule_for(rules: Rule | tuple[Rule, ...], stage: str) -> Rule | None:
 def joint_keys(rule: Joint, stage: str) -> list[str]:
     return [k for k, rules in TRL_KEYS.items()
             if isinstance(r := rule_for(rules, stage), Joint) and r.function is rule.function]
+
+
+def read_keys(r: TrlReader) -> None:
+    """Read the file's keys into `r` by their rules in `TRL_KEYS` (a Joint once, with all its
+    keys), then list the keys that have no rule for the stage among the ignored ones."""
+    done: set[Callable[[TrlReader], None]] = set()
+    for key, rules in TRL_KEYS.items():
+        rule = rule_for(rules, r.stage)
+        if isinstance(rule, Joint):
+            wanted = rule.always or any(r.has(k) for k in joint_keys(rule, r.stage))
+            if rule.function not in done and wanted:
+                rule.function(r)
+            done.add(rule.function)
+        elif rule is not None and key in r.data:
+            read_key(r, key, rule, r.data[key])
+    unknown = [k for k in r.data if rule_for(TRL_KEYS.get(k, ()), r.stage) is None]
+    r.ignored = unknown + r.skipped + r.ignored
+
+
+def read_key(r: TrlReader, key: str, rule: To | Only, value: Any) -> None:
+    if value is None:
+        if isinstance(rule, To) and rule.null:
+            raise r.refuse(key, rule.null)
+        return
+    if isinstance(rule, Only):
+        if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in rule.accepted):
+            raise r.refuse(key, rule.fix)
+        return
+    name = rule.field if isinstance(rule.field, str) else rule.field[r.stage]
+    r.set(name, rule.convert(r, key, value), key)
 
 
 # ---------------------------------------------------------------- the table
@@ -328,7 +283,7 @@ class TrlImport:
     def apply_to(self, config: Any) -> None:
         stage = stage_of(config)
         reader = TrlReader(self.path, self.data, stage, config, self.world_size, self.skip)
-        reader.read()
+        read_keys(reader)
         for name, value in reader.values.items():
             info = reader.fields[name]
             setattr(getattr(config, info.section) if info.section else config, name, value)

@@ -1,16 +1,19 @@
 """The converters of `rlhf.trl_config.TRL_KEYS`: each turns TRL's meaning of one key, or of
 keys read together (the GRPO batch, precision, schedule, GRPO's loss, PEFT...), into this
 project's fields, through the reader's `set` (checked against the field's rule), `refuse` (one
-error line: file, key, what to do) and `ignore` (the warning line)."""
+error line: file, key, what to do) and `ignore` (the warning line). The reader (`TrlReader`, one
+file applied to one stage config) is here, below the table that drives it."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from rlhf.trl_config import TrlReader
+from rlhf.config_fields import fields_by_name, parse_value
+from rlhf.errors import UserError
 
 SFT, REWARD, GRPO = "sft", "reward", "grpo"
 ALL = frozenset({SFT, REWARD, GRPO})
@@ -19,6 +22,61 @@ ONLY_SFT, ONLY_REWARD, ONLY_GRPO = frozenset({SFT}), frozenset({REWARD}), frozen
 COMMANDS = {SFT: "rlhf sft", REWARD: "rlhf reward", GRPO: "rlhf ppo"}
 TRL_GRPO_GENERATIONS = 8
 """TRL's num_generations default: what a GRPOConfig file without it samples per prompt."""
+
+
+# ---------------------------------------------------------------- the reader
+
+
+class TrlReader:
+    """One TRL file applied to one stage config: the converted values, and the keys not used."""
+
+    def __init__(self, path: Path, data: Mapping[str, Any], stage: str, config: Any, world_size: int,
+                 skip: Mapping[str, str]) -> None:
+        self.path, self.stage, self.config, self.world_size = path, stage, config, world_size
+        # TrainingArguments.to_dict() writes a *_token key's value as "<KEY>": a saved config's unset token
+        self.data = {k: None if isinstance(v, str) and k.endswith("_token") and v == f"<{k.upper()}>" else v
+                     for k, v in data.items() if k not in skip}
+        self.skipped = [f"{k} ({skip[k]})" for k in data if k in skip]
+        self.fields = fields_by_name(type(config))
+        self.values: dict[str, Any] = {}
+        self.ignored: list[str] = []
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def set(self, name: str, value: Any, key: str) -> None:
+        self.values[name] = parse_value(self.fields[name], value, f"{self.path}: {key}")
+
+    def current(self, name: str) -> Any:
+        """The field as this file leaves it so far: its value from the file, else from below."""
+        if name in self.values:
+            return self.values[name]
+        info = self.fields[name]
+        return getattr(getattr(self.config, info.section) if info.section else self.config, name)
+
+    def refuse(self, key: str, why: str) -> UserError:
+        return UserError(f"{self.path}: {key}: {self.data.get(key)!r} {why}")
+
+    def ignore(self, key: str, reason: str = "") -> None:
+        self.ignored.append(f"{key} ({reason})" if reason else key)
+
+    def steps_per_iteration(self) -> float:
+        """GRPO: the optimizer steps one generation feeds (TRL's unit of max_steps, logging_steps,
+        save_steps): ppo_epochs x the minibatches of one experience batch. 1 for sft and reward."""
+        if self.stage != GRPO:
+            return 1.0
+        generation = self.current("generation_batch_size")
+        if self.current("train_batch_size"):
+            minibatch = self.current("train_batch_size") / self.world_size
+        elif self.current("grad_accum"):
+            minibatch = self.current("micro_batch_size") * self.current("grad_accum")
+        else:  # rlhf ppo's default: the whole experience is one minibatch
+            minibatch = generation
+        return self.current("ppo_epochs") * generation / minibatch
 
 
 # ---------------------------------------------------------------- one-key converters

@@ -1,6 +1,6 @@
 """The fused float32 CPU decode step with its projections through MKL against packed weights.
 
-engine/cpu_decode.py's step runs a layer's four projections through ATen (MKL) or, with
+engine/backends/cpu/decode_op.py's step runs a layer's four projections through ATen (MKL) or, with
 `packed_gemm`, over weights packed once per rollout in 16-column panels by its own kernel (MKL
 repacks each weight on every call of a decode step's few rows); the packed side runs once per
 kernel set this CPU has (avx2; avx512: the same with the panel GEMM on 16-float registers). All
@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf.engine.cpu_decode import load_cpu_decode_op
+from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.models.tiny import tiny_config
 

@@ -26,7 +26,7 @@ sequences of --new tokens through the same runner. --batch is then the number of
 
 Ours runs the fast Llama-family decoder (engine/fast_decode.py) where it supports the model,
 else the model's own forward; --fast picks. On the CPU in float32 its decode steps run the
-fused csrc op (engine/cpu_decode.py) unless --kernel off (which sets RLHF_DISABLE_OPS=1). The last line of output is one JSON object
+fused csrc op (engine/backends/cpu/decode_op.py) unless --kernel off (which sets RLHF_DISABLE_OPS=1). The last line of output is one JSON object
 (ours_tokens_per_s, hf_tokens_per_s, ratio_vs_hf, the per-phase timings, bandwidth figures,
 ours_path and the shape); with --samples-per-prompt it holds group_tokens_per_s,
 repeated_tokens_per_s, ratio_group_vs_repeated and each one's prefill and decode-step times.
@@ -94,7 +94,7 @@ def parse_args() -> argparse.Namespace:
         help="the fused CPU decode step where it can run (auto) or the fast decoder's Python step (off)",
     )
     p.add_argument("--cuda-graph", action="store_true",
-                   help="our decode steps replayed as CUDA graphs (RLHF_CUDA_GRAPH_DECODE=1, engine/decode_graph.py)")
+                   help="our decode steps replayed as CUDA graphs (RLHF_CUDA_GRAPH_DECODE=1, engine/backends/cuda/decode_graph.py)")
     p.add_argument("--no-hf", action="store_true", help="time only ours")
     p.add_argument(
         "--samples-per-prompt", type=int, default=1,

@@ -1,4 +1,4 @@
-"""Forward + backward of a Llama-family model with the fused layer ops (engine/fused_layers.py) against
+"""Forward + backward of a Llama-family model with the fused layer ops (engine/backends/cpu/fused_layers.py) against
 Hugging Face's eager modules, in the same run on the same weights and tokens.
 
     python scripts/bench_layers.py                        # the TRL comparison's tiny Llama: 4 layers, hidden 256,
@@ -97,7 +97,7 @@ def attention_step(fn, model: torch.nn.Module, batch: int, seq: int):
 
 
 def main() -> None:
-    from rlhf.engine.fused_layers import attention, attention_reference, fuse_layer_ops
+    from rlhf.engine.backends.cpu.fused_layers import attention, attention_reference, fuse_layer_ops
 
     args = parse_args()
     eager = build_model(args)

@@ -1,4 +1,4 @@
-"""Float32 linears on the CPU: torch's matmul (MKL) against oneDNN (engine/cpu_matmul.py), in the same
+"""Float32 linears on the CPU: torch's matmul (MKL) against oneDNN (engine/backends/cpu/matmul.py), in the same
 run at a model's linear shapes, per GEMM of a training step, and a whole model's forward + backward.
 
     python scripts/bench_matmul.py                     # the comparison's tiny Llama: hidden 256, MLP 688, vocab 98,
@@ -8,7 +8,7 @@ run at a model's linear shapes, per GEMM of a training step, and a whole model's
 Per shape (in -> out) and rows: `forward` (x @ W^T), `input_grad` (dY @ W) and `weight_grad`
 (dY^T @ X), each side's GFLOP/s as the median of --repeats alternated timings, and oneDNN's speed-up;
 the weight gradient also as `onednn_transposed` (oneDNN over a transposed operand, which Zen 5 runs:
-engine/cpu_matmul.py's weight_grad) and, on AVX-512 CPUs, `tn` (rlhf_cpu_decode.tn_weight_grad:
+engine/backends/cpu/matmul.py's weight_grad) and, on AVX-512 CPUs, `tn` (rlhf_cpu_decode.tn_weight_grad:
 dY^T X straight from the rows, which weight_grad takes up to cpu_matmul.TN_MAX_WIDTH features wide;
 `tn_vs_onednn_transposed` is its speed-up over the transposing path). Then a tiny model's (or
 --model's) forward + backward with every linear as `--cpu-matmul onednn` runs it (forward and input
@@ -43,7 +43,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def gemm_rates(rows: int, d_in: int, d_out: int, repeats: int) -> dict[str, dict[str, float]]:
-    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_weight_grad_transposed, panel_gemm_op
+    from rlhf.engine.backends.cpu.matmul import _onednn_linear, onednn_weight_grad_transposed, panel_gemm_op
 
     x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
     impls = {
@@ -75,9 +75,9 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
 
 
 def main() -> None:
-    from rlhf.engine.cpu_matmul import onednn_min_depth, onednn_weight_grad, resolve_cpu_matmul, use_onednn_linears
+    from rlhf.engine.backends.cpu.matmul import onednn_min_depth, onednn_weight_grad, resolve_cpu_matmul, use_onednn_linears
     from rlhf.engine.flops import TransformerShape
-    from rlhf.engine.fused_layers import fuse_layer_ops
+    from rlhf.engine.backends.cpu.fused_layers import fuse_layer_ops
 
     args = parse_args()
     aten_model = build_model(argparse.Namespace(model=args.model, family="llama"))

@@ -192,10 +192,10 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--max-prompt-len", str(args.prompt_len), "--ppo-epochs", "1", "--dtype", args.dtype,
         "--optimizer-impl", args.optimizer_impl, "--report-to", "none", "--sample-log-interval", "0",
         "--lr", "1e-5", "--temperature", "1.0", *(["--zero-stage", args.zero_stage] if args.zero_stage else []),
-        *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-fused-layers"]),
+        *(["--compile"] if args.compile else []), *([] if args.fused_layers else ["--no-cpu-fused-layers"]),
         "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--cpu-matmul", args.cpu_matmul,
         "--kv-cache-dtype", args.kv_cache_dtype,
-        *(["--decode-rows-per-group", str(args.decode_rows_per_group)] if args.decode_rows_per_group else []),
+        *(["--cpu-decode-rows-per-group", str(args.decode_rows_per_group)] if args.decode_rows_per_group else []),
         *([] if args.pack_sequences else ["--no-pack-sequences"]),
         *(["--recompute-old-logprobs"] if args.recompute_old_logprobs else []),
     ])
@@ -236,12 +236,12 @@ def phase_gemms(shape: object, m: int, backward: bool, dtype: torch.dtype,
     """One layer's linears plus the LM head on m rows, as nn.Linear runs them (x @ W^T); with
     backward also the input and weight gradients (dY @ W, dY^T @ X). Per GEMM its implementations:
     torch's matmul (MKL) and, where torch has it, oneDNN (which --cpu-matmul onednn runs;
-    engine/cpu_matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it);
+    engine/backends/cpu/matmul.py; the weight gradient also over a transposed operand, as Zen 5 runs it);
     with `packed` (the decode steps) also the fused decode step's own GEMM over weights packed in
     panels (rlhf_cpu_decode.panel_linear), which runs a step's few rows at about twice torch's rate.
     Returns them and the FLOPs of one pass over all GEMMs."""
-    from rlhf.engine.cpu_decode import load_cpu_decode_op
-    from rlhf.engine.cpu_matmul import _onednn_linear, onednn_available, onednn_weight_grad_transposed
+    from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
+    from rlhf.engine.backends.cpu.matmul import _onednn_linear, onednn_available, onednn_weight_grad_transposed
 
     onednn = onednn_available() and dtype == torch.float32
     decode_op = load_cpu_decode_op() if packed and dtype == torch.float32 else None

@@ -19,7 +19,7 @@ import torch
 
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import COMPUTE_DTYPES
+from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.rollout import build_inference_skeleton, load_rollout_weights, rollout_mode
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.models.loading import load_causal_lm

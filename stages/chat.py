@@ -18,15 +18,13 @@ from rlhf.engine.sampling import SamplingParams
 from rlhf.errors import UserError
 from rlhf.models.checks import check_tokenizer_fits
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.models.value_model import is_value_model_dir
+from rlhf.models.value_model import is_value_model_dir, load_value_model
 
 
 def chat(model_dir: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
     tokenizer = load_tokenizer(model_dir)
     check_tokenizer_fits(tokenizer, model_dir, "--model")
     if is_value_model_dir(model_dir):
-        from rlhf.models.value_model import load_value_model
-
         scorer = load_value_model(model_dir, flag="--model").eval()
 
         def answer(history: list[dict[str, str]], text: str) -> str:

@@ -27,14 +27,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import (
-    ConfigSources, DataConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig, resolve_config,
-)
+from rlhf.algorithms.estimators import ESTIMATORS
+from rlhf.config import DataConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config_sources import ConfigSources, resolve_config
+from rlhf.data.tasks import DATASET_FILES, get_task, write_task_dataset
+from rlhf.ds_config import import_ds_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.gguf import format_report, get_model
+from rlhf.models.loading import check_model_files
+from rlhf.models.tiny import save_tiny_model
 from rlhf.output_lock import lock_output, release_output
 from rlhf.outputs import create_folder, is_done, read_summary, refuse_links_out, write_json_atomic
+from rlhf.stages import ppo as ppo_stage
+from rlhf.stages import reward as reward_stage
+from rlhf.stages import sft as sft_stage
+from rlhf.stages.evaluation import task_success
+from rlhf.trl_config import E2E_WIRED, import_trl_config
 
 log = get_logger(__name__)
 
@@ -130,8 +140,6 @@ def resolve_stage_configs(stages: dict[str, Any], deepspeed_config: str | None, 
     section < prefixed flags (`--ppo.kl-coef 0.1`)."""
     deepspeed = None
     if deepspeed_config:
-        from rlhf.ds_config import import_ds_config
-
         deepspeed = import_ds_config(deepspeed_config)
     for name, stage in stages.items():
         section, stage_flags = dict(file_sections.get(name) or {}), dict(flags.get(name, {}))
@@ -153,8 +161,6 @@ def stage_trl_config(section: dict[str, Any], flags: dict[str, str]) -> Any:
     path = next((p for p in paths if p), None)
     if path is None:
         return None
-    from rlhf.trl_config import E2E_WIRED, import_trl_config
-
     return import_trl_config(path, int(os.environ.get("WORLD_SIZE", "1")), skip=E2E_WIRED)
 
 
@@ -207,8 +213,6 @@ def base_model(cfg: E2EConfig, run_dir: Path) -> str:
 def task_files(cfg: E2EConfig, run_dir: Path) -> dict[str, Path] | None:
     """The built-in task's dataset files by name (sft, pairs, eval_pairs, prompts, eval_prompts);
     None when --data replaces the task."""
-    from rlhf.data.tasks import DATASET_FILES
-
     return None if cfg.data else {Path(name).stem: run_dir / "data" / name for name in DATASET_FILES}
 
 
@@ -256,7 +260,7 @@ def reward_functions(cfg: E2EConfig) -> list[str]:
     task its checker; none means the reward stage trains a reward model."""
     if cfg.reward_fn:
         return list(cfg.reward_fn)
-    if cfg.advantage_estimator != "gae" and not cfg.data:
+    if not ESTIMATORS[cfg.advantage_estimator].needs_critic and not cfg.data:
         return [cfg.task]
     return []
 
@@ -286,8 +290,6 @@ def check_model_folder(cfg: E2EConfig) -> None:
     """--model as a local folder must hold a model, checked before any stage starts; a name that is
     not a folder is left to the hub."""
     if cfg.model and Path(cfg.model).is_dir():
-        from rlhf.models.loading import check_model_files
-
         if not (Path(cfg.model) / "config.json").is_file():
             raise UserError(f"--model {cfg.model}: folder has no config.json; give a Hugging Face model folder")
         check_model_files(cfg.model, "--model")
@@ -296,15 +298,11 @@ def check_model_folder(cfg: E2EConfig) -> None:
 def make_base_model(cfg: E2EConfig, base: Path) -> None:
     """<run>/base: the preset's real model (`rlhf models get`) or the built-in tiny model."""
     if cfg.preset is not None:
-        from rlhf.models.gguf import format_report, get_model
-
         if base.is_dir() and any(base.iterdir()):  # an interrupted conversion: start it again
             shutil.rmtree(base)
         log.info("e2e: %s base model -> %s", PRESET_MODELS[cfg.preset], base)
         log.info("%s", format_report(get_model(PRESET_MODELS[cfg.preset], str(base))))
         return
-    from rlhf.models.tiny import save_tiny_model
-
     heads = 4 if cfg.tiny_hidden_size <= 256 else cfg.tiny_hidden_size // 64
     save_tiny_model(base, cfg.tiny_family, seed=cfg.seed, hidden_size=cfg.tiny_hidden_size,
                     num_layers=cfg.tiny_layers, num_heads=heads, num_kv_heads=max(1, heads // 2), max_positions=256)
@@ -335,8 +333,6 @@ def prepare_base_and_data(cfg: E2EConfig, run_dir: Path, ctx: DistributedContext
         if cfg.model is None and not (run_dir / "base" / "config.json").is_file():
             make_base_model(cfg, run_dir / "base")
         if not cfg.data and not (run_dir / "data" / "DONE").is_file():
-            from rlhf.data.tasks import get_task, write_task_dataset
-
             write_task_dataset(get_task(cfg.task), run_dir / "data", n_sft=cfg.n_sft, n_pairs=cfg.n_pairs,
                                n_prompts=cfg.n_prompts, n_eval_prompts=cfg.n_eval_prompts,
                                n_eval_pairs=cfg.n_eval_pairs, wrong_fraction=cfg.wrong_fraction, seed=cfg.seed)
@@ -360,11 +356,6 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     for stage in stages.values():
         stage.tracking.wandb_group = stage.tracking.wandb_group or group
     paths = task_files(cfg, run_dir)
-
-    from rlhf.stages import ppo as ppo_stage
-    from rlhf.stages import reward as reward_stage
-    from rlhf.stages import sft as sft_stage
-
     seconds = {"sft_seconds": run_stage("sft", sft, sft_stage, ctx)}
     trains_reward_model = not reward_functions(cfg)
     if trains_reward_model:
@@ -392,9 +383,6 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
 
 def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: DistributedContext) -> dict[str, float]:
     """Task success of T=1 samples on held-out prompts, for the SFT and the PPO model (same seed)."""
-    from rlhf.data.tasks import get_task
-    from rlhf.stages.evaluation import task_success
-
     task = get_task(cfg.task)
     prompts = [json.loads(line)["prompt"] for line in eval_prompts.read_text().splitlines() if line.strip()]
     result = {}

@@ -20,54 +20,31 @@ iteration on: Adam's moments exist), not the model load. Sequence widths are the
 (default --max-seq-len) for sft/reward, --prompt-len (default --max-prompt-len) + --max-new-tokens
 for ppo. On the CPU a prediction adds the process's fixed cost: its memory before any model loads
 (measured in this process after importing the stage, or --baseline-gb) and `CPU_RUNTIME` (pages of
-torch's kernels and MKL's buffers the first step touches). On a GPU it is torch's allocated memory
+torch's kernels and MKL's buffers the first step touches; stages/plan_parts.py, with the other parts
+every plan is built from). On a GPU it is torch's allocated memory
 (the CUDA context and the caching allocator's slack come on top).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rlhf.config import LoRAConfig, RunConfig, StageConfig
-from rlhf.engine.cpu_matmul import resolve_cpu_matmul
-from rlhf.engine.fsdp import resolve_dtype
+from rlhf.config import RunConfig, StageConfig
+from rlhf.engine.backends import plan_backend
+from rlhf.engine.sharding import resolve_dtype
 from rlhf.engine.memory import GIB, current_rss
-from rlhf.engine.memory_plan import (
-    COMPUTE_BYTES, FP32, ModelShape, TrainedModelMemory, layer_saved_bytes, model_shape, saved_activation_bytes,
-    working_set_bytes,
-)
-from rlhf.engine.logprobs import DEFAULT_CHUNK_BYTES
+from rlhf.engine.memory_plan import COMPUTE_BYTES, FP32, working_set_bytes
 from rlhf.engine.train_engine import resolve_batch_size
 from rlhf.errors import UserError
-
-CPU_RUNTIME = int(0.045 * GIB)
-"""Fixed CPU cost of a running stage beyond its pre-load RSS (taken after its imports) and its
-tensors: code pages of torch's kernels and MKL's GEMM buffers the first step touches, allocator
-bookkeeping. Measured after training steps of 10M, 32M and 110M-parameter Llama models (torch 2.13,
-one process): 0.041, 0.043 and 0.051 GiB."""
-
-Components = dict[str, int]
-
-
-@dataclass
-class PhasePlan:
-    """One phase's predicted peak: the moment it happens and the tensors alive then (bytes per rank)."""
-
-    name: str
-    moment: str
-    components: Components
-    host: Components = field(default_factory=dict)
-    """Components a GPU run keeps in host memory (ZeRO-Offload, --offload-ref/--offload-reward)."""
-
-    @property
-    def total(self) -> int:
-        return sum(self.components.values())
+from rlhf.stages.plan_parts import (
+    PhasePlan, Setting, lm_loss_bytes, load_model_config, peak_phase, shape_of, train_moments, trained,
+)
+from rlhf.stages.plan_ppo import plan_ppo
 
 
 @dataclass
@@ -98,79 +75,6 @@ class MemoryPlan:
         }
 
 
-def peak_phase(name: str, moments: dict[str, Components], s: Setting) -> PhasePlan:
-    """The phase's peak: its largest moment on the device (zero components dropped; what a GPU
-    run offloads counted apart, in host memory)."""
-
-    def device_total(parts: Components) -> int:
-        return sum(v for k, v in parts.items() if k not in s.host)
-
-    moment, parts = max(moments.items(), key=lambda kv: device_total(kv[1]))
-    return PhasePlan(name, moment, {k: v for k, v in parts.items() if v and k not in s.host},
-                     {k: v for k, v in parts.items() if v and k in s.host})
-
-
-# ------------------------------------------------------------------ model configs
-
-
-def load_model_config(spec: str, flag: str) -> Any:
-    """A model's config from a folder, a config.json file, a hub name, or `tiny` / `tiny:<family>`
-    (the built-in tiny model of `rlhf e2e`); no weights are read."""
-    from transformers import AutoConfig
-
-    if not spec:
-        raise UserError(f"{flag} is required: a model folder, its config.json, or tiny[:<family>]")
-    if spec == "tiny" or spec.startswith("tiny:"):
-        from rlhf.models.tiny import FAMILIES, build_char_tokenizer, tiny_config
-
-        family = spec.partition(":")[2] or "llama"
-        if family not in FAMILIES:
-            raise UserError(f"{flag} {spec}: unknown tiny family {family!r}; use one of {', '.join(FAMILIES)}")
-        return tiny_config(family, vocab_size=len(build_char_tokenizer()))
-    try:
-        return AutoConfig.from_pretrained(spec)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{flag} {spec}: no readable config.json ({' '.join(str(exc).split())[:200]}); pass a model "
-                        "folder, its config.json or tiny[:<family>]") from None
-
-
-def shape_of(spec: str, flag: str, head: str, lora: LoRAConfig | None = None,
-             fused_layers: bool = False) -> ModelShape:
-    """The parameter shapes of the model `spec` names (`load_model_config`), as an LM or a value
-    model, with the stage's LoRA adapters when `lora` has a rank (injected as the stage does);
-    `fused_layers`: the run's layers take the fused layer ops (Setting.fused_layers)."""
-    adapt = None
-    if lora is not None and lora.lora_rank:
-        from rlhf.models.lora import apply_lora
-
-        adapt = functools.partial(apply_lora, config=lora)
-    return model_shape(load_model_config(spec, flag), head, adapt, fused_layers)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What every phase needs besides the models: compute bytes, world size and the device."""
-
-    dtype: str
-    compute: int
-    world: int
-    device: str
-    fused_adam: bool
-    host: frozenset[str] = frozenset()
-    """Components held in host memory on a GPU (offload); on the CPU everything is one memory."""
-    fused_layers: bool = False
-    """Llama-family layers run the fused layer ops: --fused-layers without --compile, float32 on a CPU."""
-    offload: bool = False
-    """--offload: the trained models stay in FSDP2 (CPUOffloadPolicy) even on one process."""
-    packed_decode: bool = False
-    """The fast decoder's fused CPU step packs a copy of the weights: --cpu-matmul resolving to
-    oneDNN (auto on AMD CPUs), float32 on a CPU (engine/fast_decode.py)."""
-
-    @property
-    def runtime(self) -> int:
-        return CPU_RUNTIME if self.device == "cpu" else 0
-
-
 def setting_of(config: RunConfig, world: int, device: str) -> Setting:
     """The compute dtype (auto: bf16 on a GPU; one that lacks it is not planned for) and, on a
     GPU, what ZeRO-Offload and --offload-ref/--offload-reward keep in host memory."""
@@ -185,47 +89,9 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
         host.add("ref params")
     if device == "cuda" and getattr(config, "offload_reward", False):
         host.add("reward params")
-    fused_layers = config.engine.fused_layers and not config.engine.compile and device == "cpu" and dtype == "fp32"
-    packed_decode = device == "cpu" and dtype == "fp32" and resolve_cpu_matmul(config.engine.cpu_matmul) == "onednn"
     return Setting(dtype, COMPUTE_BYTES[dtype], world, device, config.engine.optimizer_impl != "torch",
-                   frozenset(host), fused_layers, config.engine.offload, packed_decode)
-
-
-def trained(shape: ModelShape, zero: int, s: Setting) -> TrainedModelMemory:
-    """The memory terms of a model a TrainEngine trains in setting `s`."""
-    return TrainedModelMemory(shape, zero, s.compute, s.world, s.fused_adam, s.offload)
-
-
-# ------------------------------------------------------------------ heads
-
-
-def lm_loss_bytes(tokens: int, vocab: int, c: int) -> tuple[int, int]:
-    """(forward peak, backward peak) of `sft_loss_sum` over [rows, T, V] logits: the logits, the
-    shifted copy (the slice is not contiguous) and its fp32 copy in 16-bit, cross_entropy's
-    fp32 log-softmax (saved); backward: that, the NLL gradient and log-softmax's input gradient."""
-    logits = tokens * vocab
-    upcast = FP32 * logits if c != FP32 else 0
-    return logits * (2 * c + FP32) + upcast, 3 * FP32 * logits
-
-
-def _chunk(rows: int, vocab: int) -> int:
-    """fp32 bytes of one chunk of engine/logprobs.py (rows of about DEFAULT_CHUNK_BYTES)."""
-    return FP32 * vocab * min(rows, max(1, DEFAULT_CHUNK_BYTES // (FP32 * vocab)))
-
-
-def selective_logprob_bytes(rows: int, vocab: int, c: int, train: bool, entropy: bool) -> int:
-    """Peak of response log-probs (and entropy) over [rows, V] logits (engine/logprobs.py): the
-    logits and the forward's fp32 chunk temporaries (a few per chunk with the entropy); in
-    training the larger of that and the backward's: the logits' gradient from each term, with
-    the temporaries of one chunk of the entropy's backward (log p, p, their product). Measured
-    on a 1-chunk [520, 8192] head: 6.3-6.4x the logits, forward and backward alike."""
-    logits = c * rows * vocab
-    chunk = _chunk(rows, vocab)
-    forward = logits + chunk * (5 if entropy else 2)
-    if not train:
-        return forward
-    grads = (2 if entropy else 1) * logits
-    return max(forward, logits + grads + chunk * (3 if entropy else 1))
+                   frozenset(host), config.engine.offload, plan_backend(device, config.cpu, config.cuda),
+                   config.engine.compile)
 
 
 # ------------------------------------------------------------------ sft and reward
@@ -243,30 +109,10 @@ def supervised_shapes(config: StageConfig, stage: str, world: int, seq_len: int 
     return tokens, eval_tokens, engine.grad_accum or 1
 
 
-def train_moments(m: TrainedModelMemory, tokens: int, head: tuple[int, int], checkpointing: bool, accum: int,
-                  base: Components, prefix: str) -> dict[str, Components]:
-    """The moments of one micro-batch's forward/backward and the optimizer step of trained model m.
-    `head`: (forward, backward) peak bytes of its output head (logits or values), which run after
-    the root's forward ends (ZeRO-3: all resharded) and before the gradient reaches it."""
-    c, shape = m.compute_bytes, m.shape
-    held = {**base, "accumulated grads": m.accumulated_grads() if accum > 1 else 0,
-            f"{prefix} gathered": m.gathered_after_forward(),
-            f"{prefix} activations": saved_activation_bytes(shape, tokens, c, checkpointing)}
-    layer_work = working_set_bytes(shape, tokens, c) + (layer_saved_bytes(shape, tokens, c) if checkpointing else 0)
-    backward_gathered = 0 if m.keeps_gathered else m.gathered_in_forward()
-    return {
-        "forward (head)": {**held, "head": head[0]},
-        "backward (head)": {**held, "head": head[1]},
-        "backward (layers)": {**held, f"{prefix} gathered for backward": backward_gathered,
-                              f"{prefix} root grad": m.root_grad, "layer working set": layer_work},
-        "optimizer step": {**base, f"{prefix} grads": m.grads, "adam temporary": m.adam_temporary},
-    }
-
-
 def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | None) -> list[PhasePlan]:
     """sft (a causal LM and its loss over the whole sequence) or reward (a value model on pairs)."""
     head_kind = "lm" if stage == "sft" else "value"
-    shape = shape_of(config.model, "--model", head_kind, config.lora, s.fused_layers)
+    shape = shape_of(config.model, "--model", head_kind, config.lora, s.fuses_layers)
     m = trained(shape, config.engine.zero_stage, s)
     if seq_len is None:  # --max-seq-len, capped at the model's positions as the stage caps it
         positions = getattr(load_model_config(config.model, "--model").get_text_config(decoder=True),
@@ -306,8 +152,6 @@ def plan_stage(stage: str, config: RunConfig, world_size: int, device: str = "cp
         raise UserError(f"--world-size {world_size} must be >= 1")
     s = setting_of(config, world_size, device)
     if stage == "ppo":
-        from rlhf.stages.plan_ppo import plan_ppo
-
         phases = plan_ppo(config, s, prompt_len)  # type: ignore[arg-type]
     else:
         phases = plan_supervised(config, stage, s, seq_len)  # type: ignore[arg-type]
@@ -337,7 +181,4 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = [
-    "CPU_RUNTIME", "Components", "MemoryPlan", "PhasePlan", "Setting", "format_plan", "load_model_config",
-    "peak_phase", "plan_stage", "shape_of", "train_moments",
-]
+__all__ = ["MemoryPlan", "format_plan", "plan_stage", "plan_supervised", "setting_of"]

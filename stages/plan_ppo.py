@@ -1,5 +1,5 @@
-"""`rlhf plan ppo`: the four phases of one PPO iteration (stages/plan.py has the command, the
-shared helpers and sft/reward).
+"""`rlhf plan ppo`: the four phases of one PPO iteration (stages/plan.py has the command and
+sft/reward, stages/plan_parts.py the parts every plan is built from).
 
     generation   rollout mode: the actor's inference copy, the fast decoder's fused weights, the KV
                  cache (group sampling: prefilled once, then copied to the samples), prefill and
@@ -24,15 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from rlhf.config import PPOConfig
 from rlhf.engine.kv_cache import kv_cache_bytes
 from rlhf.engine.memory_plan import (
     FP32, FrozenModelMemory, ModelShape, TrainedModelMemory, fused_weight_bytes, inference_copy_bytes,
-    packed_weight_bytes, saved_activation_bytes, working_set_bytes,
+    saved_activation_bytes, working_set_bytes,
 )
 from rlhf.engine.train_engine import resolve_batch_size
-from rlhf.stages.plan import (
+from rlhf.stages.plan_parts import (
     Components, PhasePlan, Setting, lm_loss_bytes, peak_phase, selective_logprob_bytes, shape_of, train_moments,
     trained,
 )
@@ -72,6 +73,8 @@ class PPOShapes:
 
 def ppo_shapes(config: PPOConfig, world: int, prompt_len: int | None) -> PPOShapes:
     """As `rlhf ppo` resolves them (`rlhf.stages.ppo.resolve_minibatch`, then the engine's batch rule)."""
+    # The PPO stage's modules load when PPO is planned only: `rlhf plan sft` measures its CPU baseline
+    # (`measured_baseline`) after importing its own stage, which a loaded PPO stage would inflate.
     from rlhf.stages.ppo import resolve_minibatch
 
     config = copy.deepcopy(config)
@@ -108,18 +111,18 @@ def ppo_models(config: PPOConfig, s: Setting) -> PPOModels:
     base is the reference) and the reward model frozen at --zero-stage."""
     zero = config.engine.zero_stage
     lora = dataclasses.replace(config.lora, lora_dropout=0.0)
-    actor = shape_of(config.actor, "--actor", "lm", lora, s.fused_layers)
+    actor = shape_of(config.actor, "--actor", "lm", lora, s.fuses_layers)
     ref = None
     if not (lora.lora_rank and config.ref in (None, config.actor)):
-        ref_shape = shape_of(config.ref or config.actor, "--ref", "lm", fused_layers=s.fused_layers)
+        ref_shape = shape_of(config.ref or config.actor, "--ref", "lm", fuses_layers=s.fuses_layers)
         ref = FrozenModelMemory(ref_shape, zero, s.compute, s.world)
     critic = None
     if not config.critic_free:
-        critic_shape = shape_of(config.critic or config.reward, "--critic", "value", lora, s.fused_layers)
+        critic_shape = shape_of(config.critic or config.reward, "--critic", "value", lora, s.fuses_layers)
         critic = trained(critic_shape, config.critic_zero_stage if config.critic_zero_stage is not None else zero, s)
     reward = None
     if config.reward:
-        reward_shape = shape_of(config.reward, "--reward", "value", fused_layers=s.fused_layers)
+        reward_shape = shape_of(config.reward, "--reward", "value", fuses_layers=s.fuses_layers)
         reward = FrozenModelMemory(reward_shape, zero, s.compute, s.world)
     actor_zero = config.actor_zero_stage if config.actor_zero_stage is not None else zero
     return PPOModels(trained(actor, actor_zero, s), critic, ref, reward)
@@ -147,9 +150,9 @@ def generation_phase(models: PPOModels, shapes: PPOShapes, tp: int, s: Setting, 
     unique_layer = kv_cache_bytes(_text_config(shape), shapes.unique, shapes.width, dtype, tp) // max(shape.layers, 1)
     copy_ = inference_copy_bytes(shape, c, tp)
     fused = fused_weight_bytes(shape, c) if tp == 1 else 0
-    packed = packed_weight_bytes(shape, c) if fused and s.packed_decode else 0
+    copies = s.backend.decode_weight_copies(shape, c) if fused else {}  # the CPU's packed weights
     held = {**base, "rollout copy": copy_}
-    decode = {**held, "fused weights": fused, "packed weights": packed, "kv cache": cache + unique_layer,
+    decode = {**held, "fused weights": fused, **copies, "kv cache": cache + unique_layer,
               "prefill working set": working_set_bytes(shape, shapes.unique * shapes.prompt, c),
               "logits": FP32 * shape.vocab * shapes.gen_rows * 4 + c * shape.vocab * shapes.unique,
               "rollouts": shapes.gen_rows * shapes.width * 24}
@@ -162,8 +165,6 @@ def generation_phase(models: PPOModels, shapes: PPOShapes, tp: int, s: Setting, 
 
 def _text_config(shape: ModelShape) -> Any:
     """A minimal config for `kv_cache_bytes` from a shape."""
-    from transformers import PretrainedConfig
-
     return PretrainedConfig(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                             head_dim=shape.head_dim, hidden_size=shape.hidden, num_hidden_layers=shape.layers)
 

@@ -45,9 +45,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rlhf.algorithms.advantages import (
-    GROUP_ESTIMATORS, group_baseline_scores, overlong_penalty, varied_groups, whitens_advantages,
-)
+from rlhf.algorithms.advantages import group_baseline_scores, overlong_penalty, varied_groups
 from rlhf.algorithms.losses import sft_loss_sum
 from rlhf.algorithms.ppo import (
     AdaptiveKLController, FixedKLController, explained_variance, kl_estimate, kl_loss, masked_mean, policy_loss,
@@ -63,10 +61,9 @@ from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_state_dict
-from rlhf.engine.fast_decode import kv_cache_halved
-from rlhf.engine.fsdp import COMPUTE_DTYPES
+from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.generation import check_rollout_fits
-from rlhf.engine.host_memory import populate_heap
+from rlhf.engine.backends import backend_for
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
 from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
 from rlhf.engine.memory import PhaseMemory
@@ -318,15 +315,15 @@ class PPOTrainer:
             max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, do_sample=not config.greedy,
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            kv_cache_dtype=config.kv_cache_dtype, decode_rows_per_group=config.decode_rows_per_group,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.last_metrics: dict[str, float] = {}
         self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/memory.py)
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs
-        halved = kv_cache_halved(config.kv_cache_dtype, COMPUTE_DTYPES[self.actor.dtype], ctx.device,
-                                 self.actor.model.config.model_type)
+        halved = backend_for(ctx.device).rounds_kv_cache(config.kv_cache_dtype, COMPUTE_DTYPES[self.actor.dtype],
+                                                         self.actor.model.config.model_type)
         default_tolerance = default_parity_tolerance(self.actor.dtype, halved)
         self.old_logprob_tolerance = (config.old_logprob_tolerance if config.old_logprob_tolerance is not None
                                       else default_tolerance)
@@ -391,8 +388,7 @@ class PPOTrainer:
             ref, ref_weights = deferred_causal_lm(config.ref or config.actor, "--ref")
             self.ref = FrozenModel(ref, ctx, config.engine.zero_stage, self.actor.dtype, config.offload_ref,
                                    config.engine.micro_batch_size, "ref", compile=config.engine.compile,
-                                   weights=ref_weights, fused_layers=config.engine.fused_layers,
-                                   cpu_matmul=config.engine.cpu_matmul)
+                                   weights=ref_weights)
         self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
         if config.pack_sequences and config.max_tokens_per_micro_batch:
             log_packing(self.packing_reasons())
@@ -442,7 +438,7 @@ class PPOTrainer:
                 exp = self.make_experience(rollouts)
             with timed(seconds, "training_s"), self.memory.phase("training"):
                 update_metrics = self.update(exp, iteration)
-                populate_heap()  # the pages later iterations would fault in one by one (engine/host_memory.py)
+                backend_for(self.ctx.device).after_step()  # the CPU's: heap pages later iterations would fault in
             if self.ema is not None:
                 self.ema.update(self.actor.model)
             kl = self.update_kl_controller(exp)
@@ -475,7 +471,7 @@ class PPOTrainer:
         group tied for --max-zero-signal-iters iterations in a row: the advantage is then 0 for
         every sample (GRPO) and training runs on with nothing to learn from the reward."""
         config = self.config
-        size = self.group_size if config.advantage_estimator in GROUP_ESTIMATORS else self.experience_size
+        size = self.group_size if config.estimator.needs_groups else self.experience_size
         scores = global_scores(rollouts.scores, self.ctx)
         varied = varied_groups(scores, size)
         rollouts.metrics["reward_tied_fraction"] = 1.0 - float(varied.float().mean())
@@ -715,7 +711,7 @@ class PPOTrainer:
         return build_experience(
             rollouts.sequences, rollouts.attention_mask, rollouts.action_mask, old_logprobs, ref_logprobs, values,
             rollouts.raw_scores, scores, 0.0 if config.kl_in_loss else self.kl_ctl.value, config.kl_kind, None,
-            config.gamma, config.lam, config.whiten_advantages and whitens_advantages(config.advantage_estimator),
+            config.gamma, config.lam, config.whiten_advantages and config.estimator.whitens_advantages,
             self.ctx.all_reduce_sum,
         )
 

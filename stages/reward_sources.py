@@ -337,8 +337,7 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
                  "with the reward model's tokenizer and chat template", config.reward)
     reward_model, weights = deferred_load_value_model(config.reward)  # on meta: each rank reads only its shards
     model = FrozenModel(reward_model, ctx, config.engine.zero_stage, dtype, config.offload_reward,
-                        config.engine.micro_batch_size, "reward", compile=config.engine.compile, weights=weights,
-                        fused_layers=config.engine.fused_layers, cpu_matmul=config.engine.cpu_matmul)
+                        config.engine.micro_batch_size, "reward", compile=config.engine.compile, weights=weights)
     return RewardModelSource(model, reward_statistics(config.reward, config.normalize_reward),
                              reward_tok if retokenize else None, config.max_prompt_len + config.max_new_tokens,
                              pack_budget=config.max_tokens_per_micro_batch if config.pack_sequences else 0)

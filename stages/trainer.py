@@ -25,7 +25,7 @@ from tqdm import tqdm
 from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints, saved_run_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
-from rlhf.engine.host_memory import populate_heap
+from rlhf.engine.backends import backend_for, select_backend
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
@@ -68,10 +68,12 @@ class RunFinished(SystemExit):
 
 
 def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
-    """Check the batch arithmetic, claim the output folder (rank 0) and seed: every stage's preamble.
+    """Choose the device backend (tuned by the config's cpu:/cuda: sections), check the batch arithmetic,
+    claim the output folder (rank 0) and seed: every stage's preamble.
 
     Every rank acts on rank 0's verdict on the folder (`claim_output`), so a refused resume ends
     every rank with the same error line and a finished run ends every rank with RunFinished."""
+    select_backend(ctx.device, config.cpu, config.cuda)
     resolve_batch_size(config.engine, ctx.world_size, stage)
     record_baseline(ctx.device)  # mem_baseline_gb: the process before any model loads
     verdict: tuple[str, str] = ("train", "")
@@ -418,7 +420,7 @@ def run_training(
                 metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch,
                                      config.max_tokens_per_micro_batch, row_lengths, packed)
             metrics.update(memory.metrics(ctx.all_reduce_max))
-            populate_heap()  # the pages later steps would fault in one by one (engine/host_memory.py)
+            backend_for(ctx.device).after_step()  # the CPU's: the heap pages later steps would fault in one by one
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:

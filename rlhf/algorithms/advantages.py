@@ -5,7 +5,8 @@ sequence-level score of each sample is first transformed by its estimator's grou
 (`group_baseline_scores`), placed on the last response token together with the per-token KL
 penalty (`ppo.compute_token_rewards`), and turned into a per-token advantage by the undiscounted
 return (`discounted_returns`), as OpenRLHF's `get_cumulative_returns`. Whether the result is then
-whitened over the batch is `whitens_advantages`.
+whitened over the batch is `whitens_advantages`. What each estimator is (its baseline, whether it
+needs groups, whitens, ...) is its entry in `rlhf.algorithms.estimators.ESTIMATORS`.
 
 Conventions: scores are [G * N] in group-major order (the N samples of prompt 0, then the N of
 prompt 1, ...); per-token tensors follow `rlhf.algorithms.ppo` ([B, T] aligned to response
@@ -22,21 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlhf.algorithms.estimators import get_estimator
 from rlhf.algorithms.ppo import masked_columns
-
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-"""Every estimator name, `gae` (PPO with a critic) first."""
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-"""Estimators whose baseline comes from the other samples of the same prompt (need N >= 2)."""
-
-_WHITENED = ("gae", "reinforce_pp", "reinforce_pp_baseline")
-
-
-def _check_estimator(estimator: str) -> None:
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        expected = ", ".join(ADVANTAGE_ESTIMATORS)
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {expected}")
 
 
 def _as_groups(scores: Tensor, group_size: int) -> Tensor:
@@ -66,20 +54,20 @@ def group_baseline_scores(scores: Tensor, group_size: int, estimator: str, eps: 
     - "reinforce_pp_baseline": r - mean_g (REINFORCE++-baseline; whitened over the batch later).
     - "reinforce_pp", "gae": unchanged (the baseline is batch whitening or the critic).
     """
-    _check_estimator(estimator)
-    if estimator in GROUP_ESTIMATORS and group_size < 2:
+    entry = get_estimator(estimator)
+    if entry.needs_groups and group_size < 2:
         raise ValueError(f"advantage estimator {estimator!r} needs a group size >= 2, got {group_size}")
     groups = _as_groups(scores, group_size)
-    if estimator not in GROUP_ESTIMATORS:
+    if not entry.needs_groups:
         return groups.reshape(-1)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
+    if entry.baseline == "group mean, std-normalised":
         normalised = centred / (groups.std(dim=1, keepdim=True) + eps)
         varied = (groups.amax(dim=1) != groups.amin(dim=1)).unsqueeze(1)
         out = torch.where(varied, normalised, torch.zeros_like(normalised))
-    elif estimator == "rloo":
+    elif entry.baseline == "leave-one-out":
         out = centred * (group_size / (group_size - 1))
-    else:  # dr_grpo, reinforce_pp_baseline
+    else:  # "group mean"
         out = centred
     return out.reshape(-1)
 
@@ -128,7 +116,7 @@ def whitens_advantages(estimator: str) -> bool:
     """Whether the token advantages are whitened over the batch (OpenRLHF's convention).
 
     True for gae, reinforce_pp and reinforce_pp_baseline (their scale comes from the batch);
-    False for grpo, dr_grpo and rloo, already normalised or baselined within each group.
+    False for grpo, dr_grpo and rloo, already normalised or baselined within each group: the
+    registry's `whitens_advantages` (rlhf/algorithms/estimators.py).
     """
-    _check_estimator(estimator)
-    return estimator in _WHITENED
+    return get_estimator(estimator).whitens_advantages

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import AutoConfig
 
 from rlhf.engine.train_engine import first_non_finite
 from rlhf.errors import UserError
@@ -54,8 +55,6 @@ def check_finite(tensors: Iterable[tuple[str, Tensor]], where: str) -> None:
 def text_config(name_or_path: str) -> Any | None:
     """The decoder's config of a model folder (or hub name); None where it cannot be read (the
     model loader names the problem)."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError):

@@ -32,8 +32,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlhf.engine.fileio import honour_umask
+from rlhf.engine.generation import generate
+from rlhf.engine.sampling import SamplingParams
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.loading import load_causal_lm, load_tokenizer
 
 log = get_logger(__name__)
 
@@ -270,10 +273,6 @@ def _write_folder(gguf: Path, folder: Path) -> tuple[ConversionReport, torch.Ten
 
 def _verify(report: ConversionReport, reference: torch.Tensor, ids: torch.Tensor, max_new_tokens: int) -> None:
     """Reload the folder as every stage will, compare logits with the GGUF model's, generate."""
-    from rlhf.engine.generation import generate
-    from rlhf.engine.sampling import SamplingParams
-    from rlhf.models.loading import load_causal_lm, load_tokenizer
-
     model = load_causal_lm(str(report.output), flag="--output").eval()
     tokenizer = load_tokenizer(str(report.output), flag="--output")
     log.info("checking %s: logits against the GGUF model's, then a greedy answer", report.output)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jinja2
 import torch
 from safetensors import SafetensorError
 from transformers import (
@@ -102,8 +103,6 @@ def load_tokenizer(name_or_path: str, flag: str = "--model", chat_template: str 
 
 def read_chat_template(path: str) -> str:
     """The text of a --chat-template file, checked to be a Jinja template."""
-    import jinja2
-
     file = Path(path).expanduser()
     try:
         text = file.read_text(encoding="utf-8")

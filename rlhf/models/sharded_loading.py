@@ -151,7 +151,7 @@ def renamed_by_transformers(model: nn.Module, checkpoint: Mapping[str, Checkpoin
     """Whether `from_pretrained` would rename or convert this checkpoint's tensors for `model` (a
     family with a conversion mapping, e.g. MoE experts fused on load, or legacy LayerNorm.gamma
     names): such a checkpoint is loaded in full, since its tensors are not the parameters row by row."""
-    try:
+    try:  # transformers 5's module (probed here, where it is needed); 4.x has none
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
     except ImportError:  # transformers 4: no conversions beyond the legacy names checked below
         get_model_conversion_mapping = get_checkpoint_conversion_mapping = None

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 # Re-exported: `rlhf.models.position_ids_from_mask` and `value_model.last_token_index` are the engine's.
 from rlhf.engine.positions import last_token_index, position_ids_from_mask
@@ -252,8 +253,6 @@ class ValueModel(nn.Module):
 
 def sequence_classification_class(config: PretrainedConfig) -> str | None:
     """The family's Hugging Face *ForSequenceClassification class name, if it has one."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
     return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
 
 

@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf.engine.cpu_decode import load_cpu_decode_op
-from rlhf.engine.layer_op import transposed
+from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
+from rlhf.engine.backends.cpu.layer_op import transposed
 from rlhf.engine.ops import cpuinfo_field
 from rlhf.errors import UserError
 
 __all__ = [
     "ONEDNN_MIN_DEPTH", "ONEDNN_MIN_DEPTH_FULL_WIDTH", "ONEDNN_MIN_ROWS", "TN_MAX_WIDTH", "TRANSPOSED_INPUT_MAX_WIDTH",
-    "amd_avx512", "full_width_avx512_amd", "is_plain_linear", "linear", "linear_add", "onednn_available",
+    "amd_avx512", "cpu_matmul_line", "full_width_avx512_amd", "is_plain_linear", "linear", "linear_add", "onednn_available",
     "onednn_min_depth", "onednn_weight_grad", "onednn_weight_grad_transposed", "packed_swiglu_weights", "panel_gemm_op",
     "resolve_cpu_matmul", "shared_input_grads", "shared_input_linears", "swiglu_in_epilogue", "swiglu_linears",
     "transposes_input", "use_onednn_linears", "uses_onednn_linears", "weight_grad",
@@ -99,6 +99,14 @@ def resolve_cpu_matmul(choice: str) -> str:
     if not onednn_available():
         raise UserError("--cpu-matmul onednn: this torch build has no oneDNN (mkldnn) linear op; use aten or auto")
     return "onednn"
+
+
+def cpu_matmul_line() -> str:
+    """What --cpu-matmul auto runs float32 CPU linears with here, and why (engine/backends/cpu/matmul.py)."""
+    library = {"onednn": "oneDNN, decode steps over packed weights",
+               "aten": "torch's matmul (MKL)"}[resolve_cpu_matmul("auto")]
+    return (f"--cpu-matmul auto: {library} (CPU vendor {cpu_vendor() or 'unknown'}, "
+            f"oneDNN {'available' if onednn_available() else 'not in this torch'})")
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -213,7 +221,7 @@ def transposes_input(out_features: int, in_features: int) -> bool:
 
 def onednn_weight_grad_transposed(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """dY^T X through oneDNN, whose kernels read a strided source (dY^T seen transposed) at about
-    half their rate: dY is transposed first (engine/layer_op.py's register-tiled transpose) so that
+    half their rate: dY is transposed first (engine/backends/cpu/layer_op.py's register-tiled transpose) so that
     oneDNN's source is contiguous, or X where `transposes_input` says so (a narrow X under a dY at
     least twice as wide: the cheaper copy; then the [in, out] product is transposed back)."""
     if transposes_input(grad_rows.shape[1], rows.shape[1]):
@@ -440,6 +448,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class OneDnnLinearMixin(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
+    computes_as_plain_linear = True  # what F.linear computes (engine/fast_decode.py's computes_as_linear)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's argument name
         return linear(input, self.weight, self.bias)

@@ -2,7 +2,7 @@
 weights stay in the last-level cache from one step to the next.
 
     rows = rows_per_group(batch, weight_bytes, kv_bytes_per_row, last_level_cache_bytes())
-    for start, stop in row_groups(batch, rows): ...   # generation.py decodes each range to its end
+    steps = decode_in_groups(decoder, loop, rows)       # each range decoded to its end, the same draws
 
 A decode step reads every weight and each row's whole KV cache once. At the benchmark shape (the
 4-layer tiny Llama of scripts/bench_ppo.py, 32 rows, 64-token prompts, 256 new tokens, float16 cache) that is 12.7 MB of packed
@@ -27,6 +27,11 @@ the CPU step.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rlhf.engine.decode_loop import DecodeLoop, Decoder
 
 GROUP_ROW_MULTIPLE = 8
 """Groups are multiples of this many rows: the decode step's panel GEMM takes rows in blocks of 8."""
@@ -86,4 +91,44 @@ def row_groups(batch: int, rows: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-__all__ = ["CACHE_SHARE", "GROUP_ROW_MULTIPLE", "last_level_cache_bytes", "row_groups", "rows_per_group"]
+class GroupedDecoder(Decoder, Protocol):
+    """A decoder whose rows can decode in groups (the CPU decoder)."""
+
+    def row_group(self, start: int, stop: int) -> Decoder:
+        """A decoder over rows [start, stop) of this one's cache, at its length."""
+        ...
+
+
+def decode_in_groups(decoder: GroupedDecoder, loop: DecodeLoop, rows: int) -> int:
+    """Decode ranges of `rows` rows one after the other, each to its end; -> the steps the one-group
+    loop would have run. Every step's uniforms for the whole batch are drawn up front, in the
+    order that loop draws them, and the generator is left where that loop leaves it (a draw per
+    step it runs), so the tokens and everything sampled afterwards are the same."""
+    batch, max_new, device = loop.batch, loop.params.max_new_tokens, loop.transcript.finished.device
+    rng = loop.generator if loop.generator is not None else _default_generator(device)
+    start_state = rng.get_state()
+    uniforms = (torch.rand(max_new, batch, device=device, dtype=torch.float32, generator=loop.generator)
+                if loop.params.do_sample else None)
+    steps_run = 0
+    for start, stop in row_groups(batch, rows):
+        group_uniforms = None if uniforms is None else uniforms[:, start:stop]  # sliced once, not every step
+
+        def draws(step: int, group_uniforms: torch.Tensor | None = group_uniforms) -> torch.Tensor | None:
+            return None if group_uniforms is None else group_uniforms[step]
+
+        steps_run = max(steps_run, loop.run_rows(decoder.row_group(start, stop), start, stop, draws))
+    if uniforms is not None and steps_run < max_new:
+        rng.set_state(start_state)
+        torch.rand(steps_run * batch, device=device, dtype=torch.float32, generator=loop.generator)
+    return steps_run
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch.rand draws from on `device` when given none."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+__all__ = ["CACHE_SHARE", "GROUP_ROW_MULTIPLE", "decode_in_groups", "last_level_cache_bytes", "row_groups",
+           "rows_per_group"]

@@ -12,7 +12,7 @@ kernels (causal: only the visible half of the scores), for float32 on the CPU. E
 Hugging Face's code op for op, so a model computes the same thing either way
 (tests/test_fused_layers.py).
 
-Where the linears run oneDNN (engine/cpu_matmul.py), the decoder layer's residual adds go in
+Where the linears run oneDNN (engine/backends/cpu/matmul.py), the decoder layer's residual adds go in
 place onto the output and down projections' fresh outputs with no pass of autograd's own
 (`linear_add`), and a forward without autograd takes SiLU(gate) from the gate projection's
 epilogue and multiplies the up projection's output into it in place (`swiglu_linears`).
@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from rlhf.engine.cpu_matmul import (linear_add, packed_swiglu_weights, panel_gemm_op, shared_input_grads,
+from rlhf.engine.backends.cpu.matmul import (linear_add, packed_swiglu_weights, panel_gemm_op, shared_input_grads,
                                     shared_input_linears, swiglu_linears)
-from rlhf.engine.layer_op import FUSED_LAYERS_OP, layer_op
+from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP, layer_op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "packed_swiglu",

@@ -1,9 +1,10 @@
-"""Generation kernels behind plain functions: decode attention, sampling, selective log-softmax.
+"""The CUDA backend's generation kernels behind plain functions: decode attention, sampling,
+selective log-softmax.
 
 Each public function takes the CUDA op from csrc/generation/ when it is built and the inputs
-are CUDA tensors it supports, and otherwise runs its PyTorch reference (`*_reference`), which
-defines the semantics every fast path must match (tests/test_generation_kernels.py checks the
-parity on a GPU). Neither path synchronises with the host.
+are CUDA tensors it supports, and otherwise runs its PyTorch reference (engine/decode_attention.py,
+engine/sampling.py), which defines the semantics every fast path must match
+(tests/test_generation_kernels.py checks the parity on a GPU). Neither path synchronises with the host.
 
 - `decode_attention`: one query token per sequence over a static KV cache [B, Hkv, S, D] with
   grouped-query attention and per-sequence valid lengths or a key padding mask (left-padded
@@ -14,21 +15,22 @@ parity on a GPU). Neither path synchronises with the host.
 - `fused_selective_log_softmax_forward`: the CUDA forward used by
   `rlhf.engine.logprobs.selective_log_softmax` (log-prob of chosen tokens, fp32, one pass).
 
-`generate` calls the first two on CUDA tensors: `sample_next_token` samples with
-`sample_tokens`, and `FastLlamaDecoder`'s decode steps attend with `decode_attention`.
-`generation_kernels(False)` turns every generation fast path off for a block (the reference).
+The CUDA backend (engine/backends/cuda/__init__.py) hands them to the generic engine: `generate`
+samples with `sample_tokens`, the CUDA decoder's steps attend with `decode_attention`, and
+engine/logprobs.py takes `fused_selective_log_softmax_forward`. `generation_kernels(False)`
+(engine/backends/base.py) turns every generation fast path off for a block (the reference).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
 from rlhf.engine.ops import OpSpec, load_op, register_op
-from rlhf.engine.sampling import process_logits, sample_from_logits
+from rlhf.engine.backends.base import generation_kernels_enabled
+from rlhf.engine.decode_attention import check_lengths, decode_attention_reference, key_mask
+from rlhf.engine.sampling import check_sampling_args, sample_tokens_reference
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)
@@ -64,29 +66,6 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-_generation_kernels_enabled = True
-
-
-def generation_kernels_enabled() -> bool:
-    """Whether generation may take its csrc fast paths (see `generation_kernels`)."""
-    return _generation_kernels_enabled
-
-
-@contextlib.contextmanager
-def generation_kernels(enabled: bool) -> Iterator[None]:
-    """Within the block, generation's csrc kernels are used where they apply (True, the default
-    outside any block) or every step runs its PyTorch reference (False): decode attention and
-    sampling here, the fused CPU sampler and decode step (engine/cpu_decode.py). This is how a
-    test or a benchmark compares a fast path with the reference inside one process, in the
-    manner of `torch.nn.attention.sdpa_kernel`. Not thread-safe: a process-wide setting."""
-    global _generation_kernels_enabled
-    previous, _generation_kernels_enabled = _generation_kernels_enabled, enabled
-    try:
-        yield
-    finally:
-        _generation_kernels_enabled = previous
-
-
 def _cuda_op(spec: OpSpec, *tensors: torch.Tensor) -> ModuleType | None:
     """The built op when every tensor is on CUDA (building it on first use), else None."""
     if not all(t.is_cuda for t in tensors):
@@ -97,61 +76,6 @@ def _cuda_op(spec: OpSpec, *tensors: torch.Tensor) -> ModuleType | None:
 # ---------------------------------------------------------------------------------------------
 # Decode attention
 # ---------------------------------------------------------------------------------------------
-
-
-def _check_lengths(lengths: torch.Tensor, batch: int) -> None:
-    if lengths.dim() != 1 or lengths.shape[0] != batch or lengths.is_floating_point() or lengths.is_complex():
-        raise ValueError(
-            f"decode_attention: lengths must be an integer tensor of shape [batch={batch}], "
-            f"got {lengths.dtype} {tuple(lengths.shape)}"
-        )
-
-
-def _key_mask(lengths_or_mask: torch.Tensor, batch: int, cache_len: int) -> torch.Tensor:
-    """[B, S'] bool: which cache positions each sequence attends to (S' <= cache_len)."""
-    if lengths_or_mask.dtype == torch.bool:
-        if lengths_or_mask.dim() != 2 or lengths_or_mask.shape[0] != batch or lengths_or_mask.shape[1] > cache_len:
-            raise ValueError(
-                f"decode_attention: a key mask must be [batch={batch}, <= cache_len={cache_len}], "
-                f"got {tuple(lengths_or_mask.shape)}"
-            )
-        return lengths_or_mask
-    _check_lengths(lengths_or_mask, batch)
-    positions = torch.arange(cache_len, device=lengths_or_mask.device)
-    return positions[None, :] < lengths_or_mask[:, None]
-
-
-def decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths_or_mask: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Attention of one new query token per sequence over a KV cache, in fp32.
-
-    q: [B, H, D] or [B, H, 1, D]. k_cache, v_cache: [B, Hkv, S, D] with H a multiple of Hkv;
-    query head h reads KV head h // (H // Hkv), as Hugging Face's `repeat_kv` does.
-    lengths_or_mask: integer [B] (sequence b attends to positions < lengths[b]) or bool
-    [B, S'] with S' <= S (attends to positions < S' where True; left padding is False).
-    scale: softmax scale, default 1 / sqrt(D). Returns q's shape and dtype. Masked positions
-    are never read (a stale or NaN cache slot cannot leak in); a sequence with no attended
-    position gets zeros.
-    """
-    squeeze = q.dim() == 4
-    q3 = q.squeeze(2) if squeeze else q
-    batch, heads, head_dim = q3.shape
-    kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
-    if heads % kv_heads != 0:
-        raise ValueError(f"decode_attention: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
-    scale = head_dim**-0.5 if scale is None else scale
-    valid = _key_mask(lengths_or_mask, batch, cache_len)
-    used = valid.shape[1]
-    keys = k_cache[:, :, :used].float()
-    values = v_cache[:, :, :used].float().masked_fill(~valid[:, None, :, None], 0.0)
-    grouped_q = q3.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.einsum("bkgd,bksd->bkgs", grouped_q, keys) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(valid.any(dim=-1)[:, None, None, None], probs, 0.0)
-    out = torch.einsum("bkgs,bksd->bkgd", probs, values).reshape(batch, heads, head_dim).to(q.dtype)
-    return out.unsqueeze(2) if squeeze else out
 
 
 def _decode_attention_shape_reason(dtype: torch.dtype, head_dim: int, batch: int) -> str | None:
@@ -216,10 +140,10 @@ def decode_attention(
     scale = q3.shape[-1] ** -0.5 if scale is None else scale
     batch, cache_len = q3.shape[0], k_cache.shape[2]
     if lengths_or_mask.dtype == torch.bool:
-        mask = _key_mask(lengths_or_mask, batch, cache_len)
+        mask = key_mask(lengths_or_mask, batch, cache_len)
         out = op.decode_attention(q3, k_cache, v_cache, None, mask, mask.shape[1], float(scale))
     else:
-        _check_lengths(lengths_or_mask, batch)
+        check_lengths(lengths_or_mask, batch)
         out = op.decode_attention(q3, k_cache, v_cache, lengths_or_mask, None, cache_len, float(scale))
     return out.unsqueeze(2) if squeeze else out
 
@@ -227,52 +151,6 @@ def decode_attention(
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
-
-
-def _check_sampling_args(logits: torch.Tensor, top_k: int, top_p: float) -> None:
-    if logits.dim() != 2 or logits.shape[-1] < 1:
-        raise ValueError(f"sample_tokens: logits must be [batch, vocab], got {tuple(logits.shape)}")
-    if top_k < 0:
-        raise ValueError(f"sample_tokens: top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0.0 <= top_p <= 1.0:
-        raise ValueError(f"sample_tokens: top_p must be in [0, 1], got {top_p}")
-
-
-# The sampling kernel's filter is the generation loop's: one definition (see process_logits).
-filter_logits_reference = process_logits
-
-
-def sample_tokens_reference(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-    uniform: torch.Tensor | None = None, generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next token per row of [B, V] logits -> [B] int64, without host synchronisation.
-
-    temperature <= 0 is greedy: the first index of the maximum raw logit (`torch.argmax`).
-    Otherwise `process_logits` (temperature, top-k, top-p), then one inverse-CDF draw per row
-    by `sample_from_logits` from `uniform` [B] float32 (drawn with `generator` when not given).
-    """
-    _check_sampling_args(logits, top_k, top_p)
-    if not temperature > 0:
-        return torch.argmax(logits, dim=-1)
-    return sample_from_logits(process_logits(logits, temperature, top_k, top_p), generator, uniform)
-
-
-def draw_explained_by_rounding(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float, token: int
-) -> bool:
-    """Whether a sampler that drew `token` from the 1-D `logits` with uniform `u` differs from
-    `sample_tokens_reference` only by float32 rounding: `u` lies within rounding of the edge of
-    `token`'s CDF step, and `token` has mass after filtering. How a fused sampler is judged."""
-    if temperature <= 0:
-        return False  # greedy has no draw to round
-    scores = process_logits(logits[None].double(), temperature, top_k, top_p)[0]
-    mass = torch.exp(scores - scores.max())
-    cdf = mass.cumsum(0)
-    target = u * cdf[-1]
-    lo = cdf[token - 1] if token > 0 else cdf.new_zeros(())
-    slack = 1e-5 * cdf[-1]
-    return bool(mass[token] > 0 and lo - slack <= target <= cdf[token] + slack)
 
 
 def sample_tokens(
@@ -288,7 +166,7 @@ def sample_tokens(
     op = _cuda_op(SAMPLING_OP, logits) if generation_kernels_enabled() else None
     if op is None or logits.stride(-1) != 1 or logits.shape[-1] >= 2**31:
         return sample_tokens_reference(logits, temperature, top_k, top_p, uniform, generator)
-    _check_sampling_args(logits, top_k, top_p)
+    check_sampling_args(logits, top_k, top_p)
     if not temperature > 0:  # greedy: the kernel never reads the uniforms
         uniform = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     elif uniform is None:
@@ -319,15 +197,6 @@ def fused_selective_log_softmax_forward(
 
 
 __all__ = [
-    "DECODE_ATTENTION_HEAD_DIMS",
-    "decode_attention",
-    "decode_attention_kernel_unsupported_reason",
-    "decode_attention_reference",
-    "draw_explained_by_rounding",
-    "filter_logits_reference",
-    "generation_kernels",
-    "generation_kernels_enabled",
-    "fused_selective_log_softmax_forward",
-    "sample_tokens",
-    "sample_tokens_reference",
+    "DECODE_ATTENTION_HEAD_DIMS", "DECODE_ATTENTION_OP", "SAMPLING_OP", "SELECTIVE_LOG_SOFTMAX_OP", "decode_attention",
+    "decode_attention_kernel_unsupported_reason", "fused_selective_log_softmax_forward", "sample_tokens",
 ]

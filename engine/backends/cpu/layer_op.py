@@ -3,8 +3,8 @@
     layer_op(x, w)     # the built op where every tensor is float32 on the CPU, else None
     transposed(x)      # x.t().contiguous() through the op's register-tiled transpose where it is faster
 
-engine/fused_layers.py wraps the op's RMSNorm, RoPE, SwiGLU and attention kernels in autograd
-Functions; engine/cpu_matmul.py's weight gradient takes `transposed`. This module depends on
+engine/backends/cpu/fused_layers.py wraps the op's RMSNorm, RoPE, SwiGLU and attention kernels in autograd
+Functions; engine/backends/cpu/matmul.py's weight gradient takes `transposed`. This module depends on
 nothing but the op loader, so both can import it.
 """
 

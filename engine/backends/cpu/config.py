@@ -1,0 +1,52 @@
+"""The CPU backend's tuning: the `cpu:` section of every stage's config (`--cpu-...` flags).
+
+Each field's docstring opens with its CLI help (one paragraph of at most ~160 characters), as in
+engine/config.py. None of them changes what a model computes beyond rounding: they choose how the
+CPU runs it (fused layer kernels, the matmul library, how a rollout's rows are grouped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhf.engine.config import bounded
+
+CpuMatmul = Literal["auto", "aten", "onednn"]
+
+
+@dataclass
+class CpuConfig:
+    """How the CPU runs the models: fused layer kernels, the matmul library, rollout row groups."""
+
+    cpu_fused_layers: bool = True
+    """Run the RMSNorm, RoPE, SwiGLU and attention of Llama-family layers as fused csrc kernels (float32 on the CPU);
+    false keeps Hugging Face's modules. Ignored with --compile.
+
+    Llama, Qwen2 and Mistral layers are fused; other families and other devices run Hugging Face's
+    modules. The kernels compute what those modules compute, up to rounding (engine/backends/cpu/fused_layers.py).
+    """
+    cpu_matmul: CpuMatmul = "auto"
+    """Library of float32 linears' matmuls on the CPU: aten (torch's, MKL), onednn, or auto (onednn on AMD CPUs, else
+    aten). Same results up to rounding.
+
+    onednn runs the forward and the input gradient through oneDNN at 64+ rows and dot products of 256+
+    (64+ on Zen 5), and the weight gradient too on AMD CPUs with AVX-512 (elsewhere on MKL); see
+    engine/backends/cpu/matmul.py. auto takes oneDNN on AMD CPUs because MKL runs its AVX2 code path there.
+    With onednn, rollout decode steps run over weights packed once per rollout.
+    """
+    cpu_decode_rows_per_group: int | None = bounded(None, ge=1)
+    """Decode a rollout's rows in groups of this many, each to its end, so that its KV cache and the weights stay in
+    the CPU's last-level cache.
+
+    The draws are the same either way. Unset: the fused CPU decode step over packed weights (--cpu-matmul
+    onednn; auto on AMD CPUs) picks the group from the last-level cache size, e.g. 8 rows for a 4-layer
+    tiny Llama on a 32 MB L3 (engine/backends/cpu/row_groups.py). Models whose weights exceed the cache
+    decode every row together, as every other decode path does.
+    """
+
+
+RENAMED_CPU_FIELDS: dict[str, str] = {"fused_layers": "cpu_fused_layers", "decode_rows_per_group": "cpu_decode_rows_per_group"}
+"""Earlier names of these fields (the engine: section's fused_layers, ppo's decode_rows_per_group)."""
+
+__all__ = ["CpuConfig", "CpuMatmul", "RENAMED_CPU_FIELDS"]

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from rlhf.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
     discounted_returns,
     group_baseline_scores,
     overlong_penalty,
     varied_groups,
     whitens_advantages,
 )
+from rlhf.algorithms.estimators import ESTIMATORS
 
 # Three groups of 4: mean 0.5 (unbiased std 1/sqrt(3)), mean 1.5 (unbiased std 1), all tied.
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])
@@ -120,7 +120,7 @@ def test_overlong_penalty_on_each_segment() -> None:
 
 
 def test_whitens_advantages_table() -> None:
-    table = {estimator: whitens_advantages(estimator) for estimator in ADVANTAGE_ESTIMATORS}
+    table = {estimator: whitens_advantages(estimator) for estimator in ESTIMATORS}
     assert table == {"gae": True, "reinforce_pp": True, "reinforce_pp_baseline": True,
                      "grpo": False, "dr_grpo": False, "rloo": False}
     with pytest.raises(ValueError):

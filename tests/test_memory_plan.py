@@ -181,8 +181,8 @@ def test_packed_decode_weights_are_planned_where_the_step_packs_them() -> None:
     from transformers import AutoModelForCausalLM
 
     from rlhf.config import PPOConfig
-    from rlhf.engine.cpu_decode import load_cpu_decode_op
-    from rlhf.engine.cpu_matmul import onednn_available
+    from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
+    from rlhf.engine.backends.cpu.matmul import onednn_available
     from rlhf.engine.fast_decode import FastLlamaDecoder
     from rlhf.engine.memory_plan import packed_weight_bytes
     from rlhf.stages.plan import load_model_config, plan_stage
@@ -331,7 +331,7 @@ def test_activation_model_matches_autograd_with_fused_layers(family: str, lora: 
     from transformers import AutoModelForCausalLM
 
     from rlhf.config import LoRAConfig
-    from rlhf.engine.fused_layers import fuse_layer_ops
+    from rlhf.engine.backends.cpu.fused_layers import fuse_layer_ops
     from rlhf.models.lora import apply_lora
 
     config = tiny_config(family, vocab_size=50, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -345,6 +345,6 @@ def test_activation_model_matches_autograd_with_fused_layers(family: str, lora: 
     assert fuse_layer_ops(model) > 0
     model = model.float().train()
     ids = torch.randint(0, 50, (2, 12))
-    predicted = saved_activation_bytes(model_shape(config, adapt=adapt, fused_layers=True), ids.numel(), 4)
+    predicted = saved_activation_bytes(model_shape(config, adapt=adapt, fused_layer_ops=True), ids.numel(), 4)
     assert predicted == pytest.approx(saved_bytes(model, ids), rel=0.03)
     assert predicted < saved_activation_bytes(model_shape(config, adapt=adapt), ids.numel(), 4)

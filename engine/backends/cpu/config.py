@@ -20,8 +20,8 @@ class CpuConfig:
     """How the CPU runs the models: fused layer kernels, the matmul library, rollout row groups."""
 
     cpu_fused_layers: bool = True
-    """Run the RMSNorm, RoPE, SwiGLU and attention of Llama-family layers as fused csrc kernels (float32 on the CPU);
-    false keeps Hugging Face's modules. Ignored with --compile.
+    """Run the RMSNorm, RoPE, SwiGLU and attention of Llama-family layers as fused csrc kernels (float32); false keeps
+    Hugging Face's modules. Ignored with --compile.
 
     Llama, Qwen2 and Mistral layers are fused; other families and other devices run Hugging Face's
     modules. The kernels compute what those modules compute, up to rounding (engine/backends/cpu/fused_layers.py).

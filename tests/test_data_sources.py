@@ -13,7 +13,8 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from rlhf.cli import main
-from rlhf.config import ConfigSources, DataConfig, E2EConfig, PPOConfig, SFTConfig, resolve_config
+from rlhf.config import DataConfig, E2EConfig, PPOConfig, SFTConfig
+from rlhf.config_sources import ConfigSources, resolve_config
 from rlhf.data.formats import parse_row
 from rlhf.data.sources import RawRow, load_rows, mix_rows, stage_share
 from rlhf.data.stage_rows import load_stage_rows

@@ -73,7 +73,7 @@ def test_prefixed_flags_are_parsed_and_checked():
 def test_preset_sets_defaults_that_the_file_and_flags_override(tmp_path):
     from pathlib import Path
 
-    from rlhf.config import ConfigSources
+    from rlhf.config_sources import ConfigSources
     from rlhf.stages.e2e import resolve_e2e_config, resolve_stage_configs, stage_configs
 
     cfg = resolve_e2e_config(ConfigSources(file={"preset": "smollm2", "n_pairs": 100}, flags={"n_sft": "32"}))

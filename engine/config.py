@@ -162,7 +162,7 @@ class EngineConfig:
     def validate(self, where: str = "config") -> None:
         """Rules between fields, checked once after every source is applied (each field's own
         rule was checked when it was set; the batch arithmetic needs the world size and is
-        checked by `resolve_batch_size`)."""
+        resolved and checked by `rlhf.engine.batch_size.resolved_batch`)."""
         if self.offload and self.zero_stage == 0:
             raise UserError(f"{where}: offload: true must be used with zero_stage 1, 2 or 3 (ZeRO-Offload moves "
                             "sharded optimizer state to the CPU; zero_stage 0 shards nothing)")

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import Cache
 
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.sharding import COMPUTE_DTYPES, ShardingPlan
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.layers import decoder_layers
@@ -141,6 +141,7 @@ def apply_fsdp(
     plan: ShardingPlan,
     dtype: str,
     offload: bool,
+    *,
     gradient_checkpointing: bool = False,
     compile: bool = False,
     weights: ShardLoader | None = None,

@@ -43,7 +43,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from rlhf.engine.backends import backend_for, generation_kernels_enabled
+from rlhf.engine.backends.registry import backend_for
+from rlhf.engine.backends.base import generation_kernels_enabled
 from rlhf.engine.decode_loop import DecodeLoop, Transcript, sampled_logprobs
 from rlhf.engine.fast_decode import fast_decode_unsupported_reason
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes

@@ -51,7 +51,7 @@ class FrozenModel:
     queries; `compile` and the device backend's modules run its layers as a trained model's (`apply_fsdp`)."""
 
     def __init__(self, model: nn.Module, ctx: DistributedContext, zero_stage: int, dtype: str, offload: bool,
-                 micro_batch_size: int, name: str, compile: bool = False, weights: ShardLoader | None = None) -> None:
+                 micro_batch_size: int, name: str, *, compile: bool = False, weights: ShardLoader | None = None) -> None:
         """`model` is whole, or on the meta device with `weights` to fill this rank's shards (read
         straight into the compute dtype: the whole model is never held, not even in fp32)."""
         model.requires_grad_(False)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 
 SMALL_BATCH_ROW = 2**16
 """Logits in one batch row ([T, V]) up to which a strided input's rows are copied a chunk at a time

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 from rlhf.logging import get_logger
 
 log = get_logger(__name__)

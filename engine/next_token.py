@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.engine.backends import backend_for, generation_kernels_enabled
+from rlhf.engine.backends.registry import backend_for
+from rlhf.engine.backends.base import generation_kernels_enabled
 from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits
 
 

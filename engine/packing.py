@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.logprobs import entropy_from_logits_chunked, selective_log_softmax
 from rlhf.engine.micro_batches import (
     MAX_PACK_TOKENS, budget_partition, forward_tokens, padded_tokens, real_spans, token_budget_micro_batches,

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.sharding import COMPUTE_DTYPES
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.lora import merged_parameters

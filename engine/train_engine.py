@@ -92,30 +92,6 @@ def first_non_finite(named: Iterable[tuple[str, Any]]) -> str | None:
     return next(n for n, t in named if not bool(all_finite([_local(t)])))
 
 
-def resolve_batch_size(config: EngineConfig, dp_size: int, where: str = "config") -> None:
-    """Fill in grad_accum / train_batch_size and check micro x accum x dp = global (DeepSpeed's rule).
-
-    The one batch rule that needs the world size; each size's own range (>= 1) is checked where
-    EngineConfig defines it."""
-    micro = config.micro_batch_size
-    if config.train_batch_size is None:
-        config.grad_accum = config.grad_accum or 1
-        config.train_batch_size = micro * config.grad_accum * dp_size
-    elif config.grad_accum is None:
-        if config.train_batch_size % (micro * dp_size):
-            raise UserError(
-                f"{where}: train_batch_size {config.train_batch_size} is not divisible by micro_batch_size "
-                f"{micro} x data-parallel size {dp_size}; change train_batch_size or micro_batch_size"
-            )
-        config.grad_accum = config.train_batch_size // (micro * dp_size)
-    elif config.train_batch_size != micro * config.grad_accum * dp_size:
-        raise UserError(
-            f"{where}: train_batch_size {config.train_batch_size} != micro_batch_size {micro} x grad_accum "
-            f"{config.grad_accum} x data-parallel size {dp_size} = {micro * config.grad_accum * dp_size}; "
-            "make them agree (or leave one of train_batch_size / grad_accum unset)"
-        )
-
-
 @dataclass
 class StepResult:
     """What one optimizer step did."""
@@ -136,8 +112,11 @@ class TrainEngine:
         name: str = "model", weights: ShardLoader | None = None,
     ) -> None:
         """`model` is whole on every rank, or on the meta device with `weights` to fill this rank's
-        shards once it is sharded (sharded loading: no rank ever holds the whole model)."""
-        resolve_batch_size(config, ctx.world_size)
+        shards once it is sharded (sharded loading: no rank ever holds the whole model). `config`
+        as the stage resolved it (rlhf.engine.batch_size.resolved_batch): read, never changed."""
+        if config.grad_accum is None and config.train_batch_size is not None:
+            raise ValueError(f"{name}: train_batch_size {config.train_batch_size} with grad_accum unset: resolve the "
+                             "config first (rlhf.engine.batch_size.resolved_batch)")
         self.config = config
         self.ctx = ctx
         self.name = name
@@ -146,8 +125,9 @@ class TrainEngine:
             log.warning("%s: fp16 on CPU is slow and only meant for testing", name)
         self.grad_accum: int = config.grad_accum or 1
         self.plan = sharding_plan(config.zero_stage, trainable=True)
-        self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload, config.gradient_checkpointing,
-                                config.compile, weights,
+        self.model = apply_fsdp(model, ctx, self.plan, self.dtype, config.offload,
+                                gradient_checkpointing=config.gradient_checkpointing, compile=config.compile,
+                                weights=weights,
                                 shard=wraps_in_fsdp(ctx.world_size, config.offload, self.dtype, trainable=True))
         # Checked on each rank's shards (a model loaded shard by shard is whole nowhere), the first bad
         # name shared so that every rank raises alike; not again when the loader checked what it read

@@ -14,7 +14,7 @@ import click
 import torch
 import transformers
 
-from rlhf.engine.backends import backend_for  # importing it registers every csrc op (engine/ops.py)
+from rlhf.engine.backends.registry import backend_for  # importing it registers every csrc op (engine/ops.py)
 from rlhf.engine.op_build import cuda_archs
 from rlhf.engine.ops import load_op, op_report, registered_ops, unavailable_reason
 

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
-from rlhf.engine.fast_decode import FastLlamaDecoder
+from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
 from rlhf.models.tiny import tiny_config
 
 
@@ -57,7 +57,7 @@ def run(model: PreTrainedModel, packed: bool, args: argparse.Namespace, tokens: 
         ids: torch.Tensor, isa: str = "auto") -> tuple[float, torch.Tensor]:
     """(seconds per decode step, logits of every step) of one decoder over `tokens` [B, new]."""
     batch, prompt = ids.shape
-    decoder = FastLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed, kernel_isa=isa,
+    decoder = CpuLlamaDecoder(model, batch, prompt + args.new, cpu_kernel=True, packed_gemm=packed, kernel_isa=isa,
                                kv_cache_dtype=args.kv_cache_dtype)
     assert decoder.packed_gemm == packed and (isa == "auto" or decoder.kernel_isa == isa)
     mask = torch.ones(batch, prompt + args.new, dtype=torch.long)

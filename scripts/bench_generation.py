@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf.engine.fast_decode import FastLlamaDecoder, fast_decode_unsupported_reason
+from rlhf.engine.backends.registry import backend_for
+from rlhf.engine.fast_decode import fast_decode_unsupported_reason
 from rlhf.engine.generation import SamplingParams, generate
 from rlhf.models.tiny import build_char_tokenizer, tiny_config
 
@@ -244,7 +245,7 @@ def main() -> None:
     unsupported = fast_decode_unsupported_reason(model)
     path = "hf_forward" if fast is False or (fast == "auto" and unsupported) else "fast"
     if path == "fast":
-        isa = FastLlamaDecoder(model, args.batch, 2).kernel_isa
+        isa = getattr(backend_for(model.device).fast_decoder(model, args.batch, 2), "kernel_isa", None)
         path = f"fast+cpu_decode[{isa}]" if isa else "fast"
 
     def ours(new: int, ids: torch.Tensor = input_ids, mask: torch.Tensor = attention_mask,

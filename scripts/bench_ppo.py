@@ -357,7 +357,7 @@ def kv_cache_reads(model: Path, args: argparse.Namespace, ours: dict, ideal_frac
     The bandwidth is a sustained read (a second) of a buffer the size of what a mean step reads,
     its cache and the weights: a step's working set, which on a small CPU outgrows the last-level
     cache (a cache-sized buffer read alone would credit the reads at cache speed)."""
-    from rlhf.engine.fast_decode import kv_cache_halved
+    from rlhf.engine.backends.cpu.decoder import kv_cache_halved  # the CPU backend's float16 cache rule
 
     shape, dtype = model_shape(model, args)
     element = torch.finfo(dtype).bits // 8

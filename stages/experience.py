@@ -70,6 +70,7 @@ def build_experience(
     sequences: torch.Tensor,
     attention_mask: torch.Tensor,
     action_mask_full: torch.Tensor,
+    *,
     old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor,
     values_full: torch.Tensor | None,
@@ -77,10 +78,10 @@ def build_experience(
     scores: torch.Tensor,
     kl_coef: float,
     kl_kind: KLKind,
-    reward_clip: float | None,
     gamma: float,
     lam: float,
     whiten_advantages: bool,
+    reward_clip: float | None = None,
     all_reduce: SumReducer | None = None,
 ) -> Experience:
     """Rewards (KL penalty + `scores` on the last response token) and advantages.

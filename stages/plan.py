@@ -27,24 +27,26 @@ every plan is built from). On a GPU it is torch's allocated memory
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rlhf.config import RunConfig, StageConfig
-from rlhf.engine.backends import plan_backend
+from rlhf.engine.backends.registry import plan_backend
 from rlhf.engine.sharding import resolve_dtype
 from rlhf.engine.memory import GIB, current_rss
 from rlhf.engine.memory_plan import COMPUTE_BYTES, FP32, working_set_bytes
-from rlhf.engine.train_engine import resolve_batch_size
+from rlhf.engine.batch_size import resolved_batch
 from rlhf.errors import UserError
 from rlhf.stages.plan_parts import (
     PhasePlan, Setting, lm_loss_bytes, load_model_config, peak_phase, shape_of, train_moments, trained,
 )
 from rlhf.stages.plan_ppo import plan_ppo
+
+C = TypeVar("C", bound=RunConfig)
 
 
 @dataclass
@@ -100,13 +102,13 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
 def supervised_shapes(config: StageConfig, stage: str, world: int, seq_len: int | None) -> tuple[int, int, int]:
     """(tokens per training micro-batch, evaluation micro-batch, micro-batches per step) of sft/reward:
     micro_batch_size rows (pairs: twice as many sequences) of the padded width, a training
-    micro-batch cut to --max-tokens-per-micro-batch when set."""
-    engine = copy.deepcopy(config.engine)
-    resolve_batch_size(engine, world, "plan")
+    micro-batch cut to --max-tokens-per-micro-batch when set; `config` resolved (`plan_config`)."""
+    engine = config.engine
+    assert engine.grad_accum is not None, "supervised_shapes needs the config plan_config resolved"
     rows = engine.micro_batch_size * (2 if stage == "reward" else 1)  # a pair is two sequences
     eval_tokens = rows * (seq_len or config.data.max_seq_len)
     tokens = min(eval_tokens, config.max_tokens_per_micro_batch or eval_tokens)
-    return tokens, eval_tokens, engine.grad_accum or 1
+    return tokens, eval_tokens, engine.grad_accum
 
 
 def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | None) -> list[PhasePlan]:
@@ -138,6 +140,19 @@ def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | 
 # ------------------------------------------------------------------ the command
 
 
+def plan_config(stage: str, config: C, world_size: int) -> C:
+    """`config` with its batch arithmetic resolved as `rlhf <stage>` resolves it at its start
+    (start_stage: `resolved_batch`, PPO with its default minibatch); a new config, `config` unchanged."""
+    defaults: dict[str, int] = {}
+    if stage == "ppo":
+        # The PPO stage's modules load when PPO is planned only: `rlhf plan sft` measures its CPU baseline
+        # (`measured_baseline`) after importing its own stage, which a loaded PPO stage would inflate.
+        from rlhf.stages.ppo import default_minibatch
+
+        defaults = default_minibatch(config, world_size)  # type: ignore[arg-type]
+    return dataclasses.replace(config, engine=resolved_batch(config.engine, world_size, **defaults, where="plan"))
+
+
 def measured_baseline(stage: str) -> int:
     """This process's RSS after importing the stage's modules: about what the stage holds before
     it loads a model (torch, transformers, datasets; a stage adds its data and tokenizer)."""
@@ -150,6 +165,7 @@ def plan_stage(stage: str, config: RunConfig, world_size: int, device: str = "cp
     """The predicted per-rank peak of each phase of `rlhf <stage>` with `config` on `world_size` ranks."""
     if world_size < 1:
         raise UserError(f"--world-size {world_size} must be >= 1")
+    config = plan_config(stage, config, world_size)
     s = setting_of(config, world_size, device)
     if stage == "ppo":
         phases = plan_ppo(config, s, prompt_len)  # type: ignore[arg-type]
@@ -181,4 +197,4 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MemoryPlan", "format_plan", "plan_stage", "plan_supervised", "setting_of"]
+__all__ = ["MemoryPlan", "format_plan", "plan_config", "plan_stage", "plan_supervised", "setting_of"]

@@ -13,7 +13,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from rlhf.config import LoRAConfig
-from rlhf.engine.backends import Backend
+from rlhf.engine.backends.base import Backend
 from rlhf.engine.logprobs import DEFAULT_CHUNK_BYTES
 from rlhf.engine.memory import GIB
 from rlhf.engine.memory_plan import (

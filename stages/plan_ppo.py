@@ -12,12 +12,12 @@ sft/reward, stages/plan_parts.py the parts every plan is built from).
 
 Every phase holds the trained models (params, Adam, the EMA) and the frozen ones; a ZeRO 0-2 actor
 stays gathered from the parity check until its first backward. Rows and widths follow `rlhf ppo`:
-its default minibatch (`resolve_minibatch`), prompt sharing in groups (engine/prompt_sharing.py).
+its default minibatch (`rlhf.stages.ppo.default_minibatch`, resolved by `rlhf.stages.plan.plan_config`),
+prompt sharing in groups (engine/prompt_sharing.py).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ from rlhf.engine.memory_plan import (
     FP32, FrozenModelMemory, ModelShape, TrainedModelMemory, fused_weight_bytes, inference_copy_bytes,
     saved_activation_bytes, working_set_bytes,
 )
-from rlhf.engine.train_engine import resolve_batch_size
 from rlhf.stages.plan_parts import (
     Components, PhasePlan, Setting, lm_loss_bytes, peak_phase, selective_logprob_bytes, shape_of, train_moments,
     trained,
@@ -72,19 +71,15 @@ class PPOShapes:
 
 
 def ppo_shapes(config: PPOConfig, world: int, prompt_len: int | None) -> PPOShapes:
-    """As `rlhf ppo` resolves them (`rlhf.stages.ppo.resolve_minibatch`, then the engine's batch rule)."""
-    # The PPO stage's modules load when PPO is planned only: `rlhf plan sft` measures its CPU baseline
-    # (`measured_baseline`) after importing its own stage, which a loaded PPO stage would inflate.
-    from rlhf.stages.ppo import resolve_minibatch
-
-    config = copy.deepcopy(config)
-    resolve_minibatch(config, world)
-    resolve_batch_size(config.engine, world, "plan")
+    """As `rlhf ppo` runs them; `config` with its batch arithmetic resolved (`plan_config`: PPO's
+    default minibatch included, as start_stage resolves it)."""
+    engine = config.engine
+    assert engine.train_batch_size is not None, "ppo_shapes needs the config plan_config resolved"
     gen, tp = config.generation_batch_size, config.inference_tp_size
-    per_rank_minibatch = config.engine.train_batch_size // world
-    micro = min(config.engine.micro_batch_size, per_rank_minibatch)
-    keeps = (config.ppo_epochs == 1 and config.engine.train_batch_size == gen * world
-             and config.engine.micro_batch_size >= gen and not config.max_tokens_per_micro_batch)
+    per_rank_minibatch = engine.train_batch_size // world
+    micro = min(engine.micro_batch_size, per_rank_minibatch)
+    keeps = (config.ppo_epochs == 1 and engine.train_batch_size == gen * world
+             and engine.micro_batch_size >= gen and not config.max_tokens_per_micro_batch)
     group = config.samples_per_prompt
     # A TP group's slots may start inside a group: one prompt more than whole groups then.
     unique = math.ceil(gen * tp / group) + (1 if (gen * tp) % group else 0)
@@ -248,8 +243,9 @@ def training_phase(config: PPOConfig, models: PPOModels, shapes: PPOShapes, s: S
 
 
 def plan_ppo(config: PPOConfig, s: Setting, prompt_len: int | None) -> list[PhasePlan]:
-    """generation, reward, experience and training of one PPO iteration (steady state). After the
-    parity check a ZeRO 0-2 actor stays gathered until its first backward (training)."""
+    """generation, reward, experience and training of one PPO iteration (steady state); `config`
+    resolved (`rlhf.stages.plan.plan_config`). After the parity check a ZeRO 0-2 actor stays
+    gathered until its first backward (training)."""
     models = ppo_models(config, s)
     shapes = ppo_shapes(config, s.world, prompt_len)
     base = ppo_base(config, models, s)

@@ -63,7 +63,7 @@ from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_state_dict
 from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.generation import check_rollout_fits
-from rlhf.engine.backends import backend_for
+from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.inference import FrozenModel, micro_batch_slices
 from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
 from rlhf.engine.memory import PhaseMemory
@@ -116,7 +116,7 @@ def run(config: PPOConfig) -> dict[str, Any]:
     """Train the actor (and critic) with PPO; collective: every rank calls it. Returns the summary."""
     ctx = DistributedContext.initialize()
     functions = check_config(config, ctx)
-    output = start_stage(config, ctx, "ppo")
+    config, output = start_stage(config, ctx, "ppo", **default_minibatch(config, ctx.world_size))  # resolved
     check_batch_arithmetic(config, ctx)
     trainer = PPOTrainer(config, ctx, output, functions)
     trainer.train()
@@ -125,8 +125,8 @@ def run(config: PPOConfig) -> dict[str, Any]:
 
 def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunction]:
     """Flags PPO cannot run without, the model folders and reward functions (loaded here, before
-    any model), the TP size, and the default minibatch (the whole experience). Returns the
-    reward functions. (Whether a rollout fits the model is checked once the prompts are read.)"""
+    any model) and the TP size. Returns the reward functions. (Whether a rollout fits the model is
+    checked once the prompts are read; the batch arithmetic by start_stage, `default_minibatch`.)"""
     if not config.actor:
         raise UserError("--actor is required: the policy to train (e.g. the SFT stage's <output>/model)")
     if not config.reward and not config.reward_fn:
@@ -141,16 +141,16 @@ def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunct
     if config.ptx_data and config.ptx_coef <= 0:
         raise UserError("--ptx-data needs --ptx-coef > 0")
     ctx.tp_coordinates(config.inference_tp_size)
-    resolve_minibatch(config, ctx.world_size)
     return functions
 
 
-def resolve_minibatch(config: PPOConfig, world_size: int) -> None:
-    """Without --train-batch-size or --grad-accum the minibatch is the whole experience (one
-    optimizer step per PPO epoch), in micro-batches of at most the rollout batch (`rlhf plan` too)."""
-    if config.engine.train_batch_size is None and config.engine.grad_accum is None:
-        config.engine.train_batch_size = config.generation_batch_size * world_size  # one minibatch per PPO epoch
-        config.engine.micro_batch_size = min(config.engine.micro_batch_size, config.generation_batch_size)
+def default_minibatch(config: PPOConfig, world_size: int) -> dict[str, int]:
+    """PPO's default for the batch arithmetic (`rlhf.engine.batch_size.resolved_batch`'s
+    default_train_batch and max_micro; start_stage and `rlhf plan` pass it): without
+    --train-batch-size or --grad-accum the minibatch is the whole experience (one optimizer step per
+    PPO epoch), in micro-batches of at most the rollout batch."""
+    return {"default_train_batch": config.generation_batch_size * world_size,
+            "max_micro": config.generation_batch_size}
 
 
 def check_model_folders(config: PPOConfig) -> None:
@@ -709,10 +709,11 @@ class PPOTrainer:
         old_logprobs, ref_logprobs, values = self.score_policy(rollouts)
         scores = self.baselined_scores(rollouts.scores) if config.critic_free else rollouts.scores
         return build_experience(
-            rollouts.sequences, rollouts.attention_mask, rollouts.action_mask, old_logprobs, ref_logprobs, values,
-            rollouts.raw_scores, scores, 0.0 if config.kl_in_loss else self.kl_ctl.value, config.kl_kind, None,
-            config.gamma, config.lam, config.whiten_advantages and config.estimator.whitens_advantages,
-            self.ctx.all_reduce_sum,
+            rollouts.sequences, rollouts.attention_mask, rollouts.action_mask, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, values_full=values, raw_scores=rollouts.raw_scores, scores=scores,
+            kl_coef=0.0 if config.kl_in_loss else self.kl_ctl.value, kl_kind=config.kl_kind, gamma=config.gamma,
+            lam=config.lam, whiten_advantages=config.whiten_advantages and config.estimator.whitens_advantages,
+            all_reduce=self.ctx.all_reduce_sum,
         )
 
     def update(self, exp: Experience, iteration: int) -> dict[str, float]:
@@ -799,7 +800,8 @@ class PPOTrainer:
             kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
             self.policy_kl_sum += float(kl.sum())
         p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, exp.action_mask, low,
-                                                  high, aggregation, normalizer, config.importance_ratio)
+                                                  high, aggregation=aggregation, normalizer=normalizer,
+                                                  ratio_level=config.importance_ratio)
         per_sample = weight.tokens if aggregation == "token-mean" else weight.rows
         loss = per_sample * p_loss
         metrics.update(clipfrac=float(clipfrac), approx_kl=float(approx_kl))

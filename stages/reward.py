@@ -148,7 +148,7 @@ def final_evaluation(
 def run(config: RewardConfig) -> dict[str, Any]:
     """Train, evaluate and export a reward model (collective: every rank calls it); returns the summary."""
     ctx = DistributedContext.initialize()
-    output = start_stage(config, ctx, "reward")
+    config, output = start_stage(config, ctx, "reward")  # the batch arithmetic resolved
 
     tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
     check_tokenizer_fits(tokenizer, config.model, "--model")
@@ -177,8 +177,8 @@ def run(config: RewardConfig) -> dict[str, Any]:
         return evaluate(engine, eval_rows, collate, loss_fn)
 
     result = run_training(
-        "reward", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
-        loss_fn, eval_fn if eval_rows else None,
+        "reward", config, ctx, engine, tracker=tracker, checkpointer=checkpointer, plan=plan, total_steps=total_steps,
+        rows=train_rows, collate=collate, loss_fn=loss_fn, eval_fn=eval_fn if eval_rows else None,
         row_lengths=lambda row: [len(row["chosen_ids"]), len(row["rejected_ids"])],
     )
 

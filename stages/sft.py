@@ -74,7 +74,7 @@ def load_sft_rows(config: SFTConfig, tokenizer: Any,
 def run(config: SFTConfig) -> dict[str, Any]:
     """Fine-tune and export the model (collective: every rank calls it); returns the summary."""
     ctx = DistributedContext.initialize()
-    output = start_stage(config, ctx, "sft")
+    config, output = start_stage(config, ctx, "sft")  # the batch arithmetic resolved
 
     tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
     check_tokenizer_fits(tokenizer, config.model, "--model")
@@ -96,8 +96,9 @@ def run(config: SFTConfig) -> dict[str, Any]:
 
     loss_fn = packed_sft_loss if config.pack_sequences and config.max_tokens_per_micro_batch else sft_loss
     result = run_training(
-        "sft", config, ctx, engine, tracker, checkpointer, plan, total_steps, train_rows, collate,
-        loss_fn, eval_fn if eval_rows else None, row_lengths=lambda row: [len(row["input_ids"])],
+        "sft", config, ctx, engine, tracker=tracker, checkpointer=checkpointer, plan=plan, total_steps=total_steps,
+        rows=train_rows, collate=collate, loss_fn=loss_fn, eval_fn=eval_fn if eval_rows else None,
+        row_lengths=lambda row: [len(row["input_ids"])],
     )
     export_trained_model(engine, output / "model", tokenizer, config.lora)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -25,12 +25,13 @@ from tqdm import tqdm
 from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints, saved_run_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
-from rlhf.engine.backends import backend_for, select_backend
+from rlhf.engine.backends.registry import backend_for, select_backend
 from rlhf.engine.memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.preemption import Preempted, agreed_stop, mark_stopped, requested_signal, resume_hint, signal_name
-from rlhf.engine.train_engine import TrainEngine, resolve_batch_size
+from rlhf.engine.batch_size import resolved_batch
+from rlhf.engine.train_engine import TrainEngine
 from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
@@ -45,6 +46,7 @@ from rlhf.tracking import MetricsFile, Tracker
 log = get_logger(__name__)
 
 Batch = dict[str, torch.Tensor]
+C = TypeVar("C", bound=RunConfig)
 # (model, batch) -> (loss summed over units, units, extra metric sums)
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, float, dict[str, float]]]
 
@@ -67,14 +69,19 @@ class RunFinished(SystemExit):
         super().__init__(0)
 
 
-def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
-    """Choose the device backend (tuned by the config's cpu:/cuda: sections), check the batch arithmetic,
-    claim the output folder (rank 0) and seed: every stage's preamble.
+def start_stage(config: C, ctx: DistributedContext, stage: str, default_train_batch: int | None = None,
+                max_micro: int | None = None) -> tuple[C, Path]:
+    """Choose the device backend (tuned by the config's cpu:/cuda: sections), resolve the batch arithmetic,
+    claim the output folder (rank 0) and seed: every stage's preamble. Returns the resolved config
+    (`resolved_batch`: a new config, `config` unchanged; PPO passes its default minibatch) and the
+    output folder; the stage goes on with that config alone, and nothing resolves it again.
 
-    Every rank acts on rank 0's verdict on the folder (`claim_output`), so a refused resume ends
-    every rank with the same error line and a finished run ends every rank with RunFinished."""
+    Every rank acts on rank 0's verdict on the folder (`claim_output`, which compares the resolved
+    config with the resolved one the run saved), so a refused resume ends every rank with the same
+    error line and a finished run ends every rank with RunFinished."""
     select_backend(ctx.device, config.cpu, config.cuda)
-    resolve_batch_size(config.engine, ctx.world_size, stage)
+    config = replace(config, engine=resolved_batch(config.engine, ctx.world_size, default_train_batch, max_micro,
+                                                   stage))
     record_baseline(ctx.device)  # mem_baseline_gb: the process before any model loads
     verdict: tuple[str, str] = ("train", "")
     if ctx.is_main:
@@ -93,7 +100,7 @@ def start_stage(config: RunConfig, ctx: DistributedContext, stage: str) -> Path:
             ctx.shutdown()
         raise RunFinished()
     torch.manual_seed(config.engine.seed)
-    return Path(config.output)
+    return config, Path(config.output)
 
 
 def claim_output(config: RunConfig, stage: str) -> tuple[str, str]:
@@ -215,9 +222,11 @@ def stop_for_signal(ctx: DistributedContext, tracker: Tracker, stage: str, signu
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int, num_eval: int = 0,
                      unit: str = "rows") -> tuple[BatchPlan, int]:
-    """The batch plan and the number of optimizer steps this run will take (logged)."""
+    """The batch plan and the number of optimizer steps this run will take (logged); `config` as
+    start_stage resolved it."""
     e = config.engine
-    plan = BatchPlan(num_rows, e.micro_batch_size, e.grad_accum or 1, world_size, 0, e.seed)
+    assert e.grad_accum is not None, "plan_total_steps needs the config start_stage resolved"
+    plan = BatchPlan(num_rows, e.micro_batch_size, e.grad_accum, world_size, 0, e.seed)
     if plan.steps_per_epoch == 0:
         raise UserError(
             f"{num_rows} training rows do not fill one global batch of {plan.global_batch_size} "
@@ -323,7 +332,7 @@ def budget_micro_batches(rows: list[Any], row_lengths: RowLengths, budget: int,
 
 def train_step(
     engine: TrainEngine, ctx: DistributedContext, micro_batches: list[list[Any]], collate: Callable[[list[Any]], Batch],
-    loss_fn: LossFn, epoch: int, budget: int = 0, row_lengths: RowLengths | None = None, packed: bool = False,
+    loss_fn: LossFn, epoch: int, *, budget: int = 0, row_lengths: RowLengths | None = None, packed: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches (rows; regrouped by `budget_micro_batches`
     when `budget` > 0, `packed`: by what the loss's packed forwards run); the step's metrics,
@@ -384,6 +393,7 @@ def run_training(
     config: StageConfig,
     ctx: DistributedContext,
     engine: TrainEngine,
+    *,
     tracker: Tracker,
     checkpointer: Checkpointer,
     plan: BatchPlan,
@@ -418,7 +428,8 @@ def run_training(
             step_rows = [[rows[i] for i in mb] for mb in micro_batches]
             with memory.phase("train"):
                 metrics = train_step(engine, ctx, step_rows, collate, loss_fn, epoch,
-                                     config.max_tokens_per_micro_batch, row_lengths, packed)
+                                     budget=config.max_tokens_per_micro_batch, row_lengths=row_lengths,
+                                     packed=packed)
             metrics.update(memory.metrics(ctx.all_reduce_max))
             backend_for(ctx.device).after_step()  # the CPU's: the heap pages later steps would fault in one by one
             gs = engine.global_step

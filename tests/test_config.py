@@ -10,7 +10,6 @@ from rlhf.cli import build_config
 from rlhf.config import EngineConfig, SFTConfig, apply_mapping, field_docs, leaf_fields
 from rlhf.engine.loss_scale import LossScaler
 from rlhf.engine.optim import lr_lambda
-from rlhf.engine.train_engine import resolve_batch_size
 from rlhf.errors import UserError
 
 
@@ -36,19 +35,6 @@ def test_precedence_defaults_file_flags(tmp_path):
 def test_config_errors_name_the_file_and_field(mapping, message):
     with pytest.raises(UserError, match=message):
         apply_mapping(SFTConfig(), mapping, "c.yaml")
-
-
-def test_batch_arithmetic():
-    cfg = EngineConfig(micro_batch_size=4, train_batch_size=32)
-    resolve_batch_size(cfg, dp_size=2)
-    assert cfg.grad_accum == 4
-    cfg = EngineConfig(micro_batch_size=4, grad_accum=3)
-    resolve_batch_size(cfg, dp_size=2)
-    assert cfg.train_batch_size == 24
-    with pytest.raises(UserError, match="train_batch_size 30 != micro_batch_size 4 x grad_accum 2"):
-        resolve_batch_size(EngineConfig(micro_batch_size=4, grad_accum=2, train_batch_size=30), dp_size=2)
-    with pytest.raises(UserError, match="not divisible"):
-        resolve_batch_size(EngineConfig(micro_batch_size=4, train_batch_size=30), dp_size=2)
 
 
 def test_lr_schedules_by_hand():

@@ -15,12 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf.engine.cpu_decode import load_cpu_decode_op
-from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
-from rlhf.engine.fast_decode import FastLlamaDecoder, kv_cache_halved
-from rlhf.engine import generation
+from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
+from rlhf.engine.backends.cpu.matmul import onednn_available, use_onednn_linears
+from rlhf.engine.backends.cpu import CpuBackend
+from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder, kv_cache_halved
+from rlhf.engine.decode_loop import Transcript, record_python
 from rlhf.engine.generation import generate
-from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token
+from rlhf.engine.next_token import sample_next_token
+from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits
 from rlhf.models.tiny import tiny_config
 
 VOCAB = 97
@@ -74,7 +76,7 @@ def _prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return ids, mask, positions
 
 
-def _run_steps(decoder: FastLlamaDecoder, ids, mask, positions, tokens: torch.Tensor) -> list[torch.Tensor]:
+def _run_steps(decoder: CpuLlamaDecoder, ids, mask, positions, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Prefill, then feed `tokens` [B, steps] one column per step; -> logits of every call."""
     batch, width = ids.shape
     steps = tokens.shape[1]
@@ -96,7 +98,7 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
     ids, mask, positions = _prompts(batch=5, width=7)
     steps = 9
     tokens = torch.randint(3, VOCAB, (5, steps), generator=torch.Generator().manual_seed(3))
-    reference = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False)
+    reference = CpuLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False)
     assert reference.kernel_isa is None
     want = _run_steps(reference, ids, mask, positions, tokens)
     for isa in op.supported_isas():
@@ -104,7 +106,7 @@ def test_every_kernel_set_matches_the_python_step(op, shape: str, packed: bool) 
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=packed)
+                fused = CpuLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=packed)
                 got = _run_steps(fused, ids, mask, positions, tokens)
             finally:
                 torch.set_num_threads(previous)
@@ -132,7 +134,7 @@ def test_avx512_panel_gemm_gives_avx2s_bits(op, batch: int) -> None:
     tokens = torch.randint(3, VOCAB, (batch, steps), generator=torch.Generator().manual_seed(3))
     runs = {}
     for isa in ("avx2", "avx512"):
-        decoder = FastLlamaDecoder(model, batch, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True)
+        decoder = CpuLlamaDecoder(model, batch, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True)
         assert decoder.kernel_isa == isa and decoder.packed_gemm
         runs[isa] = (_run_steps(decoder, ids, mask, positions, tokens), decoder.keys, decoder.values)
     for step, (a, b) in enumerate(zip(runs["avx2"][0][1:], runs["avx512"][0][1:])):  # [0]: the Python prefill
@@ -157,7 +159,7 @@ def test_attention_over_masked_blocks_and_partial_blocks(op, shape: str, kv_cach
     ids = ids.masked_fill(mask == 0, 0)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     tokens = torch.randint(3, VOCAB, (batch, steps), generator=torch.Generator().manual_seed(3))
-    reference = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=False, kv_cache_dtype=kv_cache_dtype)
+    reference = CpuLlamaDecoder(model, batch, width + steps, cpu_kernel=False, kv_cache_dtype=kv_cache_dtype)
     want = _run_steps(reference, ids, mask, positions, tokens)
     scale = max(float(w.abs().max()) for w in want)
     # float16: a key one float32 ulp apart may round to a neighbouring float16, which moves the logits by up
@@ -165,7 +167,7 @@ def test_attention_over_masked_blocks_and_partial_blocks(op, shape: str, kv_cach
     # by far more than 1e-3.
     atol = (2e-6 if kv_cache_dtype == "model" else 1e-3) * scale
     for isa in op.supported_isas():
-        fused = FastLlamaDecoder(model, batch, width + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
+        fused = CpuLlamaDecoder(model, batch, width + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
                                  kv_cache_dtype=kv_cache_dtype)
         got = _run_steps(fused, ids, mask, positions, tokens)
         for step, (g, w) in enumerate(zip(got, want)):
@@ -251,15 +253,15 @@ def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, sha
     ids, mask, positions = _prompts(batch=5, width=7)
     steps = 9
     tokens = torch.randint(3, VOCAB, (5, steps), generator=torch.Generator().manual_seed(3))
-    exact = _run_steps(FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False), ids, mask, positions, tokens)
-    reference = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False, kv_cache_dtype="fp16")
+    exact = _run_steps(CpuLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False), ids, mask, positions, tokens)
+    reference = CpuLlamaDecoder(model, 5, 7 + steps, cpu_kernel=False, kv_cache_dtype="fp16")
     assert reference.cache_dtype == torch.float16 and reference.keys[0].dtype == torch.float16
     want = _run_steps(reference, ids, mask, positions, tokens)
     scale = max(float(w.abs().max()) for w in want)
     for w, e in zip(want, exact):  # a float16 rounding of keys and values, no more
         assert 0 < float((w - e).abs().max()) < 2e-3 * scale
     for isa in op.supported_isas():
-        fused = FastLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
+        fused = CpuLlamaDecoder(model, 5, 7 + steps, cpu_kernel=True, kernel_isa=isa, packed_gemm=True,
                                  kv_cache_dtype="fp16")
         got = _run_steps(fused, ids, mask, positions, tokens)
         for step, (g, w) in enumerate(zip(got, want)):
@@ -275,12 +277,12 @@ def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, sha
 
 def test_fp16_kv_cache_is_for_float32_models_on_the_cpu() -> None:
     model = _model(*SHAPES["llama-gqa"])
-    assert FastLlamaDecoder(model, 2, 8).cache_dtype == torch.float32  # generate()'s default: "model"
-    assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype="model").cache_dtype == torch.float32
-    assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype="auto").cache_dtype == torch.float16  # rlhf ppo's default
+    assert CpuLlamaDecoder(model, 2, 8).cache_dtype == torch.float32  # generate()'s default: "model"
+    assert CpuLlamaDecoder(model, 2, 8, kv_cache_dtype="model").cache_dtype == torch.float32
+    assert CpuLlamaDecoder(model, 2, 8, kv_cache_dtype="auto").cache_dtype == torch.float16  # rlhf ppo's default
     model = model.to(torch.bfloat16)
     for choice in ("auto", "fp16"):  # a 16-bit model's cache is already 16-bit
-        assert FastLlamaDecoder(model, 2, 8, kv_cache_dtype=choice).cache_dtype == torch.bfloat16
+        assert CpuLlamaDecoder(model, 2, 8, kv_cache_dtype=choice).cache_dtype == torch.bfloat16
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert kv_cache_halved("auto", torch.float32, cpu, "llama") and kv_cache_halved("fp16", torch.float32, cpu)
     assert not kv_cache_halved("model", torch.float32, cpu, "llama")
@@ -314,12 +316,12 @@ def test_pack_panels_lays_out_sixteen_columns_per_panel_zero_padded(op, layout: 
 def test_packed_gemm_follows_the_models_linears_unless_asked(op) -> None:
     """"auto" packs where the model's linears left MKL for oneDNN (--cpu-matmul), else keeps MKL."""
     model = _model(*SHAPES["llama-gqa"])
-    assert not FastLlamaDecoder(model, 2, 8).packed_gemm
-    assert FastLlamaDecoder(model, 2, 8, packed_gemm=True).packed_gemm
+    assert not CpuLlamaDecoder(model, 2, 8).packed_gemm
+    assert CpuLlamaDecoder(model, 2, 8, packed_gemm=True).packed_gemm
     if onednn_available():
         use_onednn_linears(model)
-        assert FastLlamaDecoder(model, 2, 8).packed_gemm
-        assert not FastLlamaDecoder(model, 2, 8, packed_gemm=False).packed_gemm
+        assert CpuLlamaDecoder(model, 2, 8).packed_gemm
+        assert not CpuLlamaDecoder(model, 2, 8, packed_gemm=False).packed_gemm
 
 
 def test_expanded_packed_decoder_shares_its_packed_weights_and_matches(op) -> None:
@@ -332,7 +334,7 @@ def test_expanded_packed_decoder_shares_its_packed_weights_and_matches(op) -> No
     logits = {}
     with torch.no_grad():
         for packed in (False, True):
-            decoder = FastLlamaDecoder(model, 2, 8, cpu_kernel=True, packed_gemm=packed)
+            decoder = CpuLlamaDecoder(model, 2, 8, cpu_kernel=True, packed_gemm=packed)
             decoder.prefill(ids, mask, positions)
             before = decoder._packed
             decoder.expand(index)
@@ -349,13 +351,13 @@ def test_generate_uses_the_kernel_and_keeps_greedy_tokens(op, monkeypatch) -> No
     ids, mask, _ = _prompts(batch=4, width=6)
     params = SamplingParams(max_new_tokens=12, pad_token_id=0, do_sample=False)
     built: list[str | None] = []
-    init = FastLlamaDecoder.__init__
+    init = CpuLlamaDecoder.__init__
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
         built.append(self.kernel_isa)
 
-    monkeypatch.setattr(FastLlamaDecoder, "__init__", spy)
+    monkeypatch.setattr(CpuLlamaDecoder, "__init__", spy)
     fused = generate(model, ids, mask, params)
     assert built == [op.supported_isas()[-1]]
     hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -365,21 +367,21 @@ def test_generate_uses_the_kernel_and_keeps_greedy_tokens(op, monkeypatch) -> No
 def test_models_the_kernel_cannot_run_keep_the_python_step(op) -> None:
     model = _model(*SHAPES["llama-gqa"])
     bf16 = _model(*SHAPES["llama-gqa"]).to(torch.bfloat16)
-    assert FastLlamaDecoder(bf16, 2, 8).kernel_isa is None
+    assert CpuLlamaDecoder(bf16, 2, 8).kernel_isa is None
     with pytest.raises(ValueError, match="float32 only"):
-        FastLlamaDecoder(bf16, 2, 8, cpu_kernel=True)
+        CpuLlamaDecoder(bf16, 2, 8, cpu_kernel=True)
     gelu = _model(*SHAPES["llama-gqa"])
     gelu.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="not SiLU"):
-        FastLlamaDecoder(gelu, 2, 8, cpu_kernel=True)
+        CpuLlamaDecoder(gelu, 2, 8, cpu_kernel=True)
     with pytest.raises(RuntimeError, match="unknown or unsupported isa"):
-        FastLlamaDecoder(model, 2, 8, cpu_kernel=True, kernel_isa="sse9")
+        CpuLlamaDecoder(model, 2, 8, cpu_kernel=True, kernel_isa="sse9")
 
 
 def test_bad_steps_fail_with_a_clear_error(op) -> None:
     model = _model(*SHAPES["llama-gqa"])
     ids, mask, positions = _prompts(batch=2, width=3)
-    decoder = FastLlamaDecoder(model, 2, 4, cpu_kernel=True)
+    decoder = CpuLlamaDecoder(model, 2, 4, cpu_kernel=True)
     with torch.no_grad():
         decoder.prefill(ids, mask, positions)
         full = torch.ones(2, 5, dtype=mask.dtype)
@@ -420,10 +422,10 @@ def test_sample_next_token_takes_the_fused_sampler_without_top_k_or_top_p(op, mo
     assert calls == [1, 1]  # top-k, and float64 logits, take the torch path
 
 
-def _transcript(batch: int, width: int, eos: list[int], gen: torch.Generator) -> generation._Transcript:
+def _transcript(batch: int, width: int, eos: list[int], gen: torch.Generator) -> Transcript:
     sequences = torch.randint(1, VOCAB, (batch, width), generator=gen)
     finished = torch.rand(batch, generator=gen) < 0.3
-    return generation._Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
+    return Transcript(sequences, torch.zeros_like(sequences, dtype=torch.bool),
                                   torch.zeros_like(sequences, dtype=torch.float32), finished, torch.tensor(eos))
 
 
@@ -432,21 +434,21 @@ def _transcript(batch: int, width: int, eos: list[int], gen: torch.Generator) ->
 @pytest.mark.parametrize("subset", [False, True])
 def test_fused_step_record_matches_the_python_loop_body(op, temperature: float, suppress_eos: bool,
                                                         subset: bool) -> None:
-    """sample_record is generation._record_python in one call: same tokens (the same sampler kernel),
+    """sample_record is decode_loop.record_python in one call: same tokens (the same sampler kernel),
     same bookkeeping of finished rows, EOS and pads; log-probs to the last bit of a sum's order."""
     gen = torch.Generator().manual_seed(11)
     batch, col, eos = 64, 5, [3, 9]
     params = SamplingParams(max_new_tokens=1, pad_token_id=0, eos_token_id=eos, temperature=temperature)
     for isa in op.supported_isas():
         want = _transcript(batch, 8, eos, gen)
-        got = generation._Transcript(*(t.clone() for t in (want.sequences, want.action_mask, want.token_logprobs,
+        got = Transcript(*(t.clone() for t in (want.sequences, want.action_mask, want.token_logprobs,
                                                             want.finished, want.eos_ids)))
         # Decoded rows: all of them, or the unfinished ones and a few finished (not yet dropped).
         rows = (~want.finished | (torch.arange(batch) % 5 == 0)).nonzero().squeeze(1) if subset else None
         logits = 2 * torch.randn(batch if rows is None else rows.numel(), VOCAB, generator=gen)
         logits[:, eos] += 4.0  # EOS likely, so rows finish
         uniform = torch.rand(batch, generator=gen)
-        generation._record_python(want, logits, uniform, rows, col, suppress_eos, params)
+        record_python(want, logits, uniform, rows, col, suppress_eos, params, sample_next_token)
         tokens = op.sample_record(logits, uniform, torch.empty(0, dtype=torch.long) if rows is None else rows,
                                   temperature, got.eos_ids, suppress_eos, 0, col, got.sequences, got.action_mask,
                                   got.token_logprobs, got.finished, isa)
@@ -472,7 +474,7 @@ def test_generate_records_steps_in_the_fused_op_and_matches_the_python_body(op, 
     monkeypatch.setattr(op, "sample_record", lambda *args: calls.append(1) or real(*args))
     fused = generate(model, ids, mask, params, torch.Generator().manual_seed(2))
     assert calls and len(calls) <= 24
-    monkeypatch.setattr(generation, "_fused_recorder", lambda logits, params: None)
+    monkeypatch.setattr(CpuBackend, "recorder", lambda self, logits, params: None)
     python = generate(model, ids, mask, params, torch.Generator().manual_seed(2))
     assert torch.equal(fused.sequences, python.sequences) and torch.equal(fused.action_mask, python.action_mask)
     torch.testing.assert_close(fused.logprobs, python.logprobs, atol=2e-6, rtol=1e-6)

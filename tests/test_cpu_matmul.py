@@ -1,4 +1,4 @@
-"""oneDNN linears (engine/cpu_matmul.py): what F.linear computes, up to rounding, forward and backward;
+"""oneDNN linears (engine/backends/cpu/matmul.py): what F.linear computes, up to rounding, forward and backward;
 the swap keeps parameters and names; auto picks oneDNN on AMD CPUs only."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from rlhf.engine import cpu_matmul
-from rlhf.engine.cpu_matmul import (
+from rlhf.engine.backends.cpu import matmul as cpu_matmul
+from rlhf.engine.backends.cpu.matmul import (
     ONEDNN_MIN_DEPTH, ONEDNN_MIN_DEPTH_FULL_WIDTH, ONEDNN_MIN_ROWS, linear, onednn_available, onednn_min_depth,
     resolve_cpu_matmul, use_onednn_linears, uses_onednn_linears,
 )
@@ -351,17 +351,21 @@ def test_resolve_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engine_runs_the_linears_it_is_told_in_train_and_rollout_mode(tiny_model_dirs, choice: str) -> None:
     """--cpu-matmul onednn swaps the trained model's linears and its rollout copy's (whose parity
     check with train mode passes, and which the fast decoder still takes); aten leaves both alone."""
+    from rlhf.engine.backends.cpu import CpuBackend
+    from rlhf.engine.backends import CpuConfig
+    from rlhf.engine.backends.registry import using_backend
     from rlhf.engine.config import EngineConfig
-    from rlhf.engine.fast_decode import fast_decode_unsupported_reason
     from rlhf.engine.distributed import DistributedContext
+    from rlhf.engine.fast_decode import fast_decode_unsupported_reason
     from rlhf.engine.rollout import rollout_mode
     from rlhf.engine.sampling import SamplingParams
     from rlhf.engine.train_engine import TrainEngine
     from rlhf.models.loading import load_causal_lm
 
     ctx = DistributedContext.initialize()
-    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, cpu_matmul=choice)
-    engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
+    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2)
+    with using_backend(CpuBackend(CpuConfig(cpu_matmul=choice))):
+        engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
     assert uses_onednn_linears(engine.model) == (choice == "onednn")
     prompts = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=3, do_sample=False, eos_token_id=2, pad_token_id=0)
@@ -410,9 +414,9 @@ def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: 
     """The fast decoder of a model with oneDNN linears runs its prefill's GEMMs through oneDNN
     (its decode steps' 4 rows stay on torch's matmul), and with fused layers too SiLU(gate) * up
     through `swiglu_in_epilogue`; logits equal the plain model's decoder's."""
-    from rlhf.engine import fast_decode
-    from rlhf.engine.fast_decode import FastLlamaDecoder
-    from rlhf.engine.fused_layers import fuse_layer_ops
+    from rlhf.engine.backends.cpu import decoder as cpu_decoder
+    from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
+    from rlhf.engine.backends.cpu.fused_layers import fuse_layer_ops
 
     config = tiny_config("llama", vocab_size=300, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
                          intermediate_size=320)
@@ -429,13 +433,13 @@ def test_fast_decoder_prefills_through_onednn_where_the_model_does(monkeypatch: 
         epilogues.append(out is not None)
         return out
 
-    monkeypatch.setattr(fast_decode, "swiglu_in_epilogue", counted)
+    monkeypatch.setattr(cpu_decoder, "swiglu_in_epilogue", counted)
     ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     logits = []
     for m in (model, swapped, fused):
-        decoder = FastLlamaDecoder(m, 4, 50, cpu_kernel=False)
+        decoder = CpuLlamaDecoder(m, 4, 50, cpu_kernel=False)
         assert (decoder.linear is F.linear) == (m is model)
         first = decoder.prefill(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
         step = decoder.decode(first.argmax(-1, keepdim=True), torch.cat([mask, torch.ones_like(mask[:, :1])], 1),

@@ -1,21 +1,28 @@
-"""Grouped decoding (engine/decode_groups.py): the group-size rule against hand-computed cases, and
+"""Grouped decoding (engine/backends/cpu/row_groups.py): the group-size rule against hand-computed cases, and
 generate() over row groups giving exactly what the one-group loop gives (tokens, log-probs, masks,
 the generator's state afterwards)."""
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlhf.engine import decode_groups, generation
-from rlhf.engine.decode_groups import last_level_cache_bytes, row_groups, rows_per_group
-from rlhf.engine.fast_decode import FastLlamaDecoder
+import rlhf.engine.backends.cpu as cpu_backend
+from rlhf.config import PPOConfig
+from rlhf.config_sources import ConfigSources, resolve_config
+from rlhf.engine.backends.cpu import CpuBackend
+from rlhf.engine.backends import CpuConfig
+from rlhf.engine.backends.registry import using_backend
+from rlhf.engine.backends.cpu import row_groups as decode_groups
+from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
+from rlhf.engine.backends.cpu.row_groups import last_level_cache_bytes, row_groups, rows_per_group
+from rlhf.engine.decode_loop import DecodeLoop
 from rlhf.engine.generation import generate
 from rlhf.engine.sampling import SamplingParams
+from rlhf.errors import UserError
 from rlhf.models.tiny import build_tiny_model
 from tests.test_generation import PAD, batch, tok  # noqa: F401 (the same left-padded prompts and fixtures)
 
@@ -61,10 +68,13 @@ def test_last_level_cache_from_sysfs(tmp_path: Path) -> None:
     assert last_level_cache_bytes(tmp_path / "missing") is None
 
 
-def test_sampling_params_validate_rows_per_group() -> None:
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="decode_rows_per_group"):
-            SamplingParams(max_new_tokens=4, pad_token_id=PAD, decode_rows_per_group=bad)
+def test_cpu_config_validates_rows_per_group() -> None:
+    for bad in (0, -3, 2.5, True, "0"):
+        with pytest.raises(UserError, match="--cpu-decode-rows-per-group"):
+            resolve_config(PPOConfig(), ConfigSources(flags={"cpu_decode_rows_per_group": bad}))
+    with pytest.raises(UserError, match="cpu_decode_rows_per_group: 0 must be >= 1"):
+        resolve_config(PPOConfig(), ConfigSources(file={"cpu": {"cpu_decode_rows_per_group": 0}}))
+    assert resolve_config(PPOConfig(), ConfigSources(flags={"cpu_decode_rows_per_group": "3"})).cpu.cpu_decode_rows_per_group == 3
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +98,26 @@ def test_grouped_decode_equals_one_group(llama, batch, setting: str, step: str, 
     step's packed GEMM (a row's arithmetic is the same whatever rows share its step) bit for bit;
     over torch's matmul (whose kernels change with the row count) the same tokens and log-probs
     to rounding."""
+    # The CPU backend's fast_decoder builds the decoder it names (engine/backends/cpu/__init__.py).
     if step == "packed":
-        monkeypatch.setattr(generation, "FastLlamaDecoder", partial(FastLlamaDecoder, packed_gemm=True))
+        monkeypatch.setattr(cpu_backend, "CpuLlamaDecoder", partial(CpuLlamaDecoder, packed_gemm=True))
     else:
-        monkeypatch.setattr(generation, "FastLlamaDecoder", partial(FastLlamaDecoder, cpu_kernel=False))
+        monkeypatch.setattr(cpu_backend, "CpuLlamaDecoder", partial(CpuLlamaDecoder, cpu_kernel=False))
+    grouped_by: list[int] = []
+    decode_in_groups = decode_groups.decode_in_groups
+    monkeypatch.setattr(decode_groups, "decode_in_groups",
+                        lambda decoder, loop, rows: grouped_by.append(rows) or decode_in_groups(decoder, loop, rows))
     ids, mask = batch
     runs = {}
     for rows in (None, 1, 2, 5):
-        params = SamplingParams(max_new_tokens=14, pad_token_id=PAD, decode_rows_per_group=rows, **SETTINGS[setting])
+        params = SamplingParams(max_new_tokens=14, pad_token_id=PAD, **SETTINGS[setting])
         runs[rows] = []
         for samples in (1, 3):
             gen = torch.Generator().manual_seed(11)
-            out = generate(llama, ids, mask, params, gen, fast=True, samples_per_prompt=samples)
+            with using_backend(CpuBackend(CpuConfig(cpu_decode_rows_per_group=rows))):
+                out = generate(llama, ids, mask, params, gen, fast=True, samples_per_prompt=samples)
             runs[rows].append((out, torch.rand(4, generator=gen)))
+    assert set(grouped_by) == {1, 2, 5}  # the CPU config's groups reached the decoder
     for rows in (1, 2, 5):
         for (grouped, after), (whole, whole_after) in zip(runs[rows], runs[None]):
             for field in ("sequences", "attention_mask", "action_mask", "finished"):
@@ -118,10 +135,10 @@ def test_grouped_decode_with_the_default_generator(llama, batch) -> None:
     ids, mask = batch
     outputs = []
     for rows in (None, 3):
-        params = SamplingParams(max_new_tokens=10, pad_token_id=PAD, eos_token_id=7, sync_every=2,
-                                decode_rows_per_group=rows)
+        params = SamplingParams(max_new_tokens=10, pad_token_id=PAD, eos_token_id=7, sync_every=2)
         torch.manual_seed(5)
-        out = generate(llama, ids, mask, params, fast=True)  # no packed GEMM: equal to rounding
+        with using_backend(CpuBackend(CpuConfig(cpu_decode_rows_per_group=rows))):
+            out = generate(llama, ids, mask, params, fast=True)  # no packed GEMM: equal to rounding
         outputs.append((out.sequences, out.logprobs, torch.rand(3)))
     (sequences, logprobs, after), (grouped_sequences, grouped_logprobs, grouped_after) = outputs
     assert torch.equal(sequences, grouped_sequences) and torch.equal(after, grouped_after)
@@ -139,7 +156,7 @@ def test_automatic_groups_follow_the_cache_rule(llama, monkeypatch) -> None:
 
     monkeypatch.setattr(decode_groups, "rows_per_group", spy)
     monkeypatch.setattr(decode_groups, "last_level_cache_bytes", lambda: 1234)
-    decoder = FastLlamaDecoder(llama, 12, 30, kv_cache_dtype="fp16", packed_gemm=True)
+    decoder = CpuLlamaDecoder(llama, 12, 30, kv_cache_dtype="fp16", packed_gemm=True)
     if decoder.kernel_isa is None:
         pytest.skip("the rlhf_cpu_decode op is not built here")
     decoder.length = 10  # as after a 10-token prefill: the mean length is (10 + 30) / 2
@@ -151,25 +168,35 @@ def test_automatic_groups_follow_the_cache_rule(llama, monkeypatch) -> None:
     assert decoder.rows_per_group(12) == 4
     per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * decoder.head_dim * 2  # fp16 k + v
     assert seen == dict(batch=12, weights=4 * padded, row=per_position * 20, cache=1234)
-    assert decoder.rows_per_group(12, requested=5) == 5 and decoder.rows_per_group(12, requested=50) == 12
+    for requested, rows in ((5, 5), (50, 12)):
+        asked = CpuLlamaDecoder(llama, 12, 30, kv_cache_dtype="fp16", packed_gemm=True, rows_per_group=requested)
+        assert asked.rows_per_group(12) == rows
     # Only the packed GEMM's steps are the same whatever rows share them: the others stay whole.
-    for other in (FastLlamaDecoder(llama, 12, 30, cpu_kernel=False),
-                  FastLlamaDecoder(llama, 12, 30, packed_gemm=False)):
-        assert other.rows_per_group(12) == 12 and other.rows_per_group(12, requested=5) == 5
+    for kwargs in (dict(cpu_kernel=False), dict(packed_gemm=False)):
+        assert CpuLlamaDecoder(llama, 12, 30, **kwargs).rows_per_group(12) == 12
+        assert CpuLlamaDecoder(llama, 12, 30, rows_per_group=5, **kwargs).rows_per_group(12) == 5
 
 
-def test_the_hf_forward_decodes_every_row_together_and_says_so(llama, batch, monkeypatch) -> None:
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_hf_forward_decodes_every_row_together(tok, batch, family: str, monkeypatch) -> None:
+    """Row groups are the CPU decoder's alone: a model the fast decoder does not run (GPT-2) or
+    fast=False (the HF forward) decodes every row in one group under a CpuBackend configured
+    with groups, with the same tokens as without them."""
+    model = build_tiny_model(family, tok, seed=0).eval()
     ids, mask = batch
-    monkeypatch.setattr(generation, "_logged_fallbacks", set())
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the rlhf logger does not propagate to pytest's caplog
-    logging.getLogger("rlhf").addHandler(handler)
-    try:
-        outs = [generate(llama, ids, mask, SamplingParams(max_new_tokens=6, pad_token_id=PAD, eos_token_id=7,
-                                                          decode_rows_per_group=rows),
-                         torch.Generator().manual_seed(2), fast=False).sequences for rows in (None, 2)]
-    finally:
-        logging.getLogger("rlhf").removeHandler(handler)
+    spans: list[tuple[int, int]] = []
+    run_rows = DecodeLoop.run_rows
+
+    def spy(self, runner, start, stop, draws):
+        spans.append((start, stop))
+        return run_rows(self, runner, start, stop, draws)
+
+    monkeypatch.setattr(DecodeLoop, "run_rows", spy)
+    outs = []
+    for rows in (None, 2):
+        params = SamplingParams(max_new_tokens=6, pad_token_id=PAD, eos_token_id=7)
+        with using_backend(CpuBackend(CpuConfig(cpu_decode_rows_per_group=rows))):
+            outs.append(generate(model, ids, mask, params, torch.Generator().manual_seed(2),
+                                 fast="auto" if family == "gpt2" else False).sequences)
     assert torch.equal(outs[0], outs[1])
-    assert any("decode_rows_per_group=2 is the fast decoder's" in r.getMessage() for r in records)
+    assert spans == [(0, ids.shape[0])] * 2  # one group of every row, both times

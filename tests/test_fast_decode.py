@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from rlhf.engine import fast_decode
 from rlhf.engine.fast_decode import (
     FastLlamaDecoder,
     apply_rope,
@@ -14,8 +13,14 @@ from rlhf.engine.fast_decode import (
     rms_norm,
     signed_sin,
 )
+from rlhf.engine.backends.cpu import CpuBackend
+from rlhf.engine.backends.base import generation_kernels
+from rlhf.engine.backends.registry import using_backend
+from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
+from rlhf.engine.backends.cuda import kernels
+from rlhf.engine.backends.cuda.decoder import CudaLlamaDecoder
+from rlhf.engine.backends.cuda.kernels import DECODE_ATTENTION_OP
 from rlhf.engine.generation import GenerationOutput, HFForwardRunner, generate, select_runner
-from rlhf.engine.kernels import DECODE_ATTENTION_OP, generation_kernels
 from rlhf.engine.ops import load_op
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.sampling import SamplingParams
@@ -83,14 +88,19 @@ def test_greedy_matches_reference_and_hf_with_eos(models, batch, tok, family: st
 
 
 STEP_KINDS = {
-    "python-step": dict(cpu_kernel=False, attention_kernel=False),
-    # Decode steps run the fused CPU op (engine/cpu_decode.py) where it builds.
-    "fused-step": dict(cpu_kernel="auto"),
-    # The Python step attending through kernels.decode_attention: on the CPU its reference, fed
+    # The torch path of every device (engine/fast_decode.py).
+    "python-step": (FastLlamaDecoder, dict(attention_kernel=False)),
+    # The CPU decoder's Python step (no fused op).
+    "cpu-python-step": (CpuLlamaDecoder, dict(cpu_kernel=False, attention_kernel=False)),
+    # Decode steps run the fused CPU op (engine/backends/cpu/decode_op.py) where it builds.
+    "fused-step": (CpuLlamaDecoder, dict(cpu_kernel="auto")),
+    # The torch step attending through decode_attention_reference over the whole cache under the key mask.
+    "decode-attention": (FastLlamaDecoder, dict(attention_kernel=True)),
+    # The CUDA decoder's step attending through kernels.decode_attention: on the CPU its reference, fed
     # the decoder's own cache buffers and key mask, which is what the CUDA op reads on a GPU.
-    "decode-attention": dict(cpu_kernel=False, attention_kernel=True),
-    # The step over static buffers a CUDA graph replays (engine/decode_graph.py), run eagerly here.
-    "static-step": dict(cpu_kernel=False, cuda_graph=True),
+    "cuda-decode-attention": (CudaLlamaDecoder, dict(attention_kernel=True)),
+    # The step over static buffers a CUDA graph replays (engine/backends/cuda/decode_graph.py), run eagerly here.
+    "static-step": (CudaLlamaDecoder, dict(cuda_graph=True)),
 }
 
 
@@ -100,8 +110,9 @@ def test_logits_match_the_reference_every_step(models, batch, family: str, step_
     model, (ids, mask) = models[family], batch
     b, p = ids.shape
     steps = 8
-    fast = FastLlamaDecoder(model, b, p + steps, **STEP_KINDS[step_kind])
-    assert fast.uses_attention_kernel == (step_kind == "decode-attention")
+    decoder, kwargs = STEP_KINDS[step_kind]
+    fast = decoder(model, b, p + steps, **kwargs)
+    assert fast.uses_attention_kernel == step_kind.endswith("decode-attention")
     ref = HFForwardRunner(model, p + steps)
     positions = position_ids_from_mask(mask)
     with torch.no_grad():
@@ -118,7 +129,7 @@ def test_logits_match_the_reference_every_step(models, batch, family: str, step_
             fast_logits = fast.decode(token, full_mask[:, :width], pos)
             ref_logits = ref.decode(token, full_mask[:, :width], pos)
     assert fast.length == ref.cache.get_seq_length() == p + steps - 1
-    assert fast.wants_cuda_graph == (step_kind == "static-step")
+    assert getattr(fast, "wants_cuda_graph", False) == (step_kind == "static-step")
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES)
@@ -208,9 +219,9 @@ def test_fast_path_stops_at_a_sync_point_once_every_row_finished(models, batch, 
     p = ids.shape[1]
     eos = sorted(set(generate(model, ids, mask, _greedy(3), fast=True).sequences[:, p + 1].tolist()))
     calls = []
-    decode = fast_decode.FastLlamaDecoder.decode
+    decode = CpuLlamaDecoder.decode  # the CPU backend's fast decoder (generate's runner here)
     monkeypatch.setattr(
-        fast_decode.FastLlamaDecoder, "decode", lambda self, *args: calls.append(1) or decode(self, *args)
+        CpuLlamaDecoder, "decode", lambda self, *args: calls.append(1) or decode(self, *args)
     )
     early = generate(model, ids, mask, _greedy(20, eos_token_id=eos, sync_every=2), fast=True)
     n_early = len(calls)
@@ -224,11 +235,14 @@ def test_decode_attention_kernel_is_not_used_on_cpu(models, batch, monkeypatch) 
     model, (ids, mask) = models["llama"], batch
     runner = select_runner(model, ids.shape[0], ids.shape[1] + 6)
     assert isinstance(runner, FastLlamaDecoder) and not runner.uses_attention_kernel
+    assert not CudaLlamaDecoder(model, ids.shape[0], ids.shape[1] + 6, attention_kernel="auto").uses_attention_kernel
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("decode_attention called on the CPU")
 
-    monkeypatch.setattr(fast_decode, "decode_attention", no_kernel)
+    monkeypatch.setattr(kernels, "decode_attention", no_kernel)
+    monkeypatch.setattr(FastLlamaDecoder, "decode_attention", staticmethod(no_kernel))
+    monkeypatch.setattr(CudaLlamaDecoder, "decode_attention", staticmethod(no_kernel))
     fast = generate(model, ids, mask, _greedy(6), fast=True)
     assert torch.equal(fast.sequences, generate(model, ids, mask, _greedy(6), fast=False).sequences)
 
@@ -250,7 +264,7 @@ def test_cuda_decode_attention_kernel_generates_like_the_reference(tok, batch, d
     model = _peaked_cuda_model(tok, dtype)
     ids, mask = (t.cuda() for t in batch)
     runner = select_runner(model, ids.shape[0], ids.shape[1] + 16)
-    assert isinstance(runner, FastLlamaDecoder) and runner.uses_attention_kernel
+    assert isinstance(runner, CudaLlamaDecoder) and runner.uses_attention_kernel
     with generation_kernels(False):
         assert not select_runner(model, ids.shape[0], ids.shape[1] + 16).uses_attention_kernel
     if dtype == torch.bfloat16:
@@ -285,13 +299,13 @@ def _assert_greedy_under_teacher_forcing(model: PreTrainedModel, out: Generation
 
 def test_weights_are_read_from_the_model_not_copied_where_no_fusion_is_needed(models, batch) -> None:
     qwen = models["qwen2"]  # tied embeddings: lm_head is the embedding table
-    decoder = FastLlamaDecoder(qwen, 2, 8)
-    assert decoder.lm_head.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
-    layer, attn = decoder.layers[0], qwen.model.layers[0].self_attn
-    assert layer.wo.data_ptr() == attn.o_proj.weight.data_ptr()
-    assert torch.equal(layer.wqkv_t, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t())
-    assert layer.wqkv_t.is_contiguous() and layer.w_gate_up_t.is_contiguous()
-    assert torch.equal(layer.bqkv, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    for decoder in (FastLlamaDecoder(qwen, 2, 8), CpuLlamaDecoder(qwen, 2, 8)):  # the CPU's transposes its own way
+        assert decoder.lm_head.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
+        layer, attn = decoder.layers[0], qwen.model.layers[0].self_attn
+        assert layer.wo.data_ptr() == attn.o_proj.weight.data_ptr()
+        assert torch.equal(layer.wqkv_t, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t())
+        assert layer.wqkv_t.is_contiguous() and layer.w_gate_up_t.is_contiguous()
+        assert torch.equal(layer.bqkv, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES)
@@ -300,7 +314,7 @@ def test_a_fused_model_prefills_through_the_fused_layer_ops(models, batch, famil
     # the same logits as the plain model's reference prefill, the same cache for later steps.
     import copy
 
-    from rlhf.engine import fused_layers
+    from rlhf.engine.backends.cpu import fused_layers
 
     plain, (ids, mask) = models[family], batch
     fused = copy.deepcopy(plain)
@@ -315,8 +329,8 @@ def test_a_fused_model_prefills_through_the_fused_layer_ops(models, batch, famil
 
     monkeypatch.setattr(fused_layers, "attention", counted)
     b, p = ids.shape
-    decoder = FastLlamaDecoder(fused, b, p + 4, cpu_kernel=False)
-    assert decoder.fused_prefill and not FastLlamaDecoder(plain, b, p + 4).fused_prefill
+    decoder = CpuLlamaDecoder(fused, b, p + 4, cpu_kernel=False)
+    assert decoder.fused_prefill and not CpuLlamaDecoder(plain, b, p + 4).fused_prefill
     ref = HFForwardRunner(plain, p + 4)
     positions = position_ids_from_mask(mask)
     with torch.no_grad():
@@ -331,22 +345,30 @@ def test_a_fused_model_prefills_through_the_fused_layer_ops(models, batch, famil
     assert torch.equal(generate(fused, ids, mask, _greedy(8)).sequences, generate(plain, ids, mask, _greedy(8)).sequences)
 
 
-def test_static_step_generates_like_the_decoder_through_dropped_rows_and_groups(models, batch, monkeypatch) -> None:
+def test_static_step_generates_like_the_decoder_through_dropped_rows_and_groups(models, batch) -> None:
     """generate() over the static-buffer step (what a CUDA graph replays) gives the tokens of the
     decoder's own step, through finished rows dropped (expand) and group sampling's copies."""
-    from functools import partial
 
-    from rlhf.engine import generation
+    class StaticStepBackend(CpuBackend):
+        """The CPU backend whose fast decoder is the CUDA one: its static-buffer step (run eagerly), or its
+        own step."""
+
+        def __init__(self, static: bool) -> None:
+            super().__init__()
+            self.static = static
+
+        def fast_decoder(self, model, batch, max_len, kv_cache_dtype="model"):
+            return CudaLlamaDecoder(model, batch, max_len, cuda_graph=self.static)
 
     model, (ids, mask) = models["llama"], batch
     params = SamplingParams(max_new_tokens=12, pad_token_id=PAD, eos_token_id=[7, 40], temperature=0.9,
                             sync_every=2)
     runs = {}
     for static in (False, True):
-        monkeypatch.setattr(generation, "FastLlamaDecoder", partial(FastLlamaDecoder, cpu_kernel=False,
-                                                                   cuda_graph=static))
-        runs[static] = [generate(model, ids, mask, params, torch.Generator().manual_seed(3), fast=True,
-                                 samples_per_prompt=n) for n in (1, 3)]
+        with using_backend(StaticStepBackend(static)):
+            assert select_runner(model, ids.shape[0], 20).wants_cuda_graph == static
+            runs[static] = [generate(model, ids, mask, params, torch.Generator().manual_seed(3), fast=True,
+                                     samples_per_prompt=n) for n in (1, 3)]
     for eager, static in zip(runs[False], runs[True]):
         assert torch.equal(eager.sequences, static.sequences) and torch.equal(eager.action_mask, static.action_mask)
     assert runs[True][0].finished.any()  # rows did finish, so some were dropped mid-rollout
@@ -361,8 +383,8 @@ def test_cuda_graph_decode_replays_the_static_step(tok, batch, monkeypatch) -> N
     ids, mask = (t.cuda() for t in batch)
     b, p = ids.shape
     steps = 8
-    graphed = FastLlamaDecoder(model, b, p + steps, cuda_graph=True)
-    eager = FastLlamaDecoder(model, b, p + steps, cuda_graph=False)
+    graphed = CudaLlamaDecoder(model, b, p + steps, cuda_graph=True)
+    eager = CudaLlamaDecoder(model, b, p + steps, cuda_graph=False)
     positions = position_ids_from_mask(mask)
     full_mask = torch.cat([mask, torch.ones(b, steps, dtype=mask.dtype, device="cuda")], dim=1)
     with torch.no_grad():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import apply_fsdp, sharding_plan
+from rlhf.engine.fsdp import apply_fsdp
+from rlhf.engine.sharding import sharding_plan
 from rlhf.engine.inference import FrozenModel, causal_lm_logprobs
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_model
 

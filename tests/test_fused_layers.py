@@ -1,4 +1,4 @@
-"""Fused RMSNorm / RoPE / SwiGLU / attention (csrc/layers/, engine/fused_layers.py) against their references.
+"""Fused RMSNorm / RoPE / SwiGLU / attention (csrc/layers/, engine/backends/cpu/fused_layers.py) against their references.
 
 The references are Hugging Face's code op for op; the fused kernels (every kernel set this CPU
 runs) must match their values and autograd gradients, and a model whose layers were swapped
@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf.engine import cpu_matmul
-from rlhf.engine import fused_layers as fused_layers_module
-from rlhf.engine.cpu_matmul import onednn_available, use_onednn_linears
+from rlhf.engine.backends.cpu import matmul as cpu_matmul
+from rlhf.engine.backends.cpu import fused_layers as fused_layers_module
+from rlhf.engine.backends.cpu.matmul import onednn_available, use_onednn_linears
 from rlhf.engine.fsdp import enable_activation_checkpointing
-from rlhf.engine.fused_layers import (
+from rlhf.engine.backends.cpu.fused_layers import (
     attention,
     attention_reference,
     fuse_layer_ops,
@@ -34,7 +34,7 @@ from rlhf.engine.fused_layers import (
     swiglu_reference,
 )
 from rlhf.engine.kv_cache import cache_argument, returned_cache
-from rlhf.engine.layer_op import FUSED_LAYERS_OP, transposed
+from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP, transposed
 from rlhf.engine.ops import load_op
 from rlhf.models.tiny import tiny_config
 
@@ -491,20 +491,24 @@ def test_activation_checkpointing_recomputes_the_fused_layers_exactly(op) -> Non
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "no-fused-layers"])
 def test_rollout_model_runs_the_layers_as_train_mode_does(tiny_model_dirs, fused: bool) -> None:
-    # The rollout copy of the actor is fused exactly when train mode is (--fused-layers), so the
+    # The rollout copy of the actor is fused exactly when train mode is (--cpu-fused-layers), so the
     # fast decoder's prefill (and an HF-forward fallback) runs the kernels the training forward
     # runs; the parity check between the two modes passes either way.
+    from rlhf.engine.backends.cpu import CpuBackend
+    from rlhf.engine.backends import CpuConfig
+    from rlhf.engine.backends.registry import using_backend
+    from rlhf.engine.backends.cpu.fused_layers import uses_fused_layers
     from rlhf.engine.config import EngineConfig
     from rlhf.engine.distributed import DistributedContext
-    from rlhf.engine.fused_layers import uses_fused_layers
     from rlhf.engine.rollout import rollout_mode
     from rlhf.engine.sampling import SamplingParams
     from rlhf.engine.train_engine import TrainEngine
     from rlhf.models.loading import load_causal_lm
 
     ctx = DistributedContext.initialize()
-    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2, fused_layers=fused)
-    engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
+    config = EngineConfig(zero_stage=3, dtype="fp32", micro_batch_size=2)
+    with using_backend(CpuBackend(CpuConfig(cpu_fused_layers=fused))):
+        engine = TrainEngine(load_causal_lm(str(tiny_model_dirs["llama"])), config, ctx, total_steps=1, name="actor")
     assert uses_fused_layers(engine.model) == fused
     prompts = torch.randint(4, 90, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(prompts)

@@ -15,12 +15,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rlhf.engine import kernels
+import rlhf.engine.backends.cuda as cuda_backend
+from rlhf.engine.backends.base import generation_kernels, generation_kernels_enabled
+from rlhf.engine.backends.cuda import kernels
 from rlhf.engine.distributed import exit_rank
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.kv_cache import RolloutKVCache
 from rlhf.engine.ops import load_op
-from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits, sample_next_token, sampler_path
+from rlhf.engine.next_token import sample_next_token, sampler_path
+from rlhf.engine.sampling import SamplingParams, process_logits, sample_from_logits
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, build_tiny_model, tiny_config
 from tests.conftest import SyncCounter
 
@@ -249,14 +252,15 @@ def test_sampling_dispatch_takes_no_cuda_kernel_on_cpu(models, batch, monkeypatc
     assert sampler_path(logits, filtered) == "reference"
     assert sampler_path(logits, plain) in ("cpu_kernel", "reference")  # the csrc CPU sampler where it builds
     assert sampler_path(logits, _greedy(4)) == "greedy"
-    with kernels.generation_kernels(False):
+    with generation_kernels(False):
         assert sampler_path(logits, plain) == "reference"
-    assert kernels.generation_kernels_enabled()  # restored after the block
+    assert generation_kernels_enabled()  # restored after the block
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("the CUDA sampling kernel was called for CPU logits")
 
     monkeypatch.setattr(kernels, "sample_tokens", no_kernel)
+    monkeypatch.setattr(cuda_backend, "sample_tokens", no_kernel)  # the CUDA backend's sampler calls it there
     model, (ids, mask) = models["llama"], batch
     for params in (filtered, plain):
         out = generate(model, ids, mask, params, generator=torch.Generator().manual_seed(0))
@@ -277,7 +281,7 @@ def test_cuda_sampling_kernel_generates_like_the_reference(models, batch, settin
     params = SamplingParams(max_new_tokens=16, pad_token_id=PAD, eos_token_id=[7, 40], **settings)
     assert sampler_path(torch.zeros(1, 8, device="cuda"), params) == "cuda_kernel"
     kernel = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(3), fast=False)
-    with kernels.generation_kernels(False):
+    with generation_kernels(False):
         ref = generate(model, ids, mask, params, torch.Generator(device="cuda").manual_seed(3), fast=False)
     assert torch.equal(kernel.sequences, ref.sequences)
     assert torch.equal(kernel.action_mask, ref.action_mask)

@@ -24,14 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.engine import kernels
-from rlhf.engine.kernels import (
-    decode_attention,
-    decode_attention_reference,
-    filter_logits_reference,
-    sample_tokens,
-    sample_tokens_reference,
-)
+from rlhf.engine.backends.cuda import kernels
+from rlhf.engine.backends.cuda.kernels import decode_attention, sample_tokens
+from rlhf.engine.decode_attention import decode_attention_reference
+from rlhf.engine.sampling import draw_explained_by_rounding, filter_logits_reference, sample_tokens_reference
 from rlhf.engine.ops import CSRC_DIR, OpSpec, build_directory, load_op, op_report
 from tests.test_generation import hf_warp
 
@@ -290,7 +286,7 @@ def test_cuda_sampling_matches_reference(vocab: int, dtype: torch.dtype) -> None
             want = sample_tokens_reference(logits, *setting, uniform=u)
             assert got.dtype == torch.int64 and got.shape == (batch,)
             for row in torch.nonzero(got != want).flatten().tolist():
-                assert kernels.draw_explained_by_rounding(logits[row].float(), *setting, u[row].item(), got[row].item()), (
+                assert draw_explained_by_rounding(logits[row].float(), *setting, u[row].item(), got[row].item()), (
                     f"row {row} setting {setting}: kernel {got[row].item()} reference {want[row].item()}"
                 )
 

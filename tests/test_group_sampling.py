@@ -21,7 +21,9 @@ from rlhf.engine import generation
 from rlhf.engine.distributed import exit_rank
 from rlhf.engine.fast_decode import FastLlamaDecoder
 from rlhf.engine.generation import GenerationOutput, HFForwardRunner, generate, group_index
-from rlhf.engine.kernels import generation_kernels
+from rlhf.engine.backends.base import generation_kernels
+from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
+from rlhf.engine.backends.cuda.decoder import CudaLlamaDecoder
 from rlhf.engine.positions import position_ids_from_mask
 from rlhf.engine.rollout import Rollout
 from rlhf.engine.sampling import SamplingParams
@@ -119,8 +121,12 @@ class Spy:
         self.decode_batches.append(tokens.shape[0])
         return self.runner.decode(tokens, attention_mask, position_ids)
 
-    def rows_per_group(self, batch, requested):
-        return self.runner.rows_per_group(batch, requested)
+    def run(self, loop):
+        # Every row together through this spy's decode (the runner's own `run` would call its decode
+        # directly), as the runner itself decodes these small batches (no row groups).
+        if hasattr(self.runner, "rows_per_group"):
+            assert self.runner.rows_per_group(loop.batch) >= loop.batch
+        return loop.run_all(self)
 
 
 @pytest.fixture
@@ -218,10 +224,12 @@ def test_one_sample_per_prompt_copies_nothing(models, batch, spies, counts) -> N
 
 
 RUNNER_KINDS = {
-    "fast-fused-step": lambda m, b, n: FastLlamaDecoder(m, b, n, cpu_kernel="auto"),
-    "fast-python-step": lambda m, b, n: FastLlamaDecoder(m, b, n, cpu_kernel=False, attention_kernel=False),
+    "fast-fused-step": lambda m, b, n: CpuLlamaDecoder(m, b, n, cpu_kernel="auto"),
+    "fast-python-step": lambda m, b, n: CpuLlamaDecoder(m, b, n, cpu_kernel=False, attention_kernel=False),
+    "fast-torch-step": lambda m, b, n: FastLlamaDecoder(m, b, n),
     # On the CPU the decode-attention op's PyTorch reference, reading the expanded cache buffers.
-    "fast-decode-attention": lambda m, b, n: FastLlamaDecoder(m, b, n, cpu_kernel=False, attention_kernel=True),
+    "fast-decode-attention": lambda m, b, n: CudaLlamaDecoder(m, b, n, attention_kernel=True),
+    "fast-decode-attention-reference": lambda m, b, n: FastLlamaDecoder(m, b, n, attention_kernel=True),
     "hf-forward": lambda m, b, n: HFForwardRunner(m, n),
 }
 

@@ -1,4 +1,4 @@
-"""glibc malloc tuning for CPU training (engine/host_memory.py)."""
+"""glibc malloc tuning for CPU training (engine/backends/cpu/host_memory.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlhf.engine.host_memory as host_memory
+import rlhf.engine.backends.cpu.host_memory as host_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -245,7 +245,7 @@ def test_peak_memory_chunked_vs_naive() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_fused_forward_matches_naive(dtype: torch.dtype) -> None:
-    from rlhf.engine.kernels import SELECTIVE_LOG_SOFTMAX_OP
+    from rlhf.engine.backends.cuda.kernels import SELECTIVE_LOG_SOFTMAX_OP
     from rlhf.engine.ops import load_op
 
     assert load_op(SELECTIVE_LOG_SOFTMAX_OP.name) is not None, "the fused op must build on a GPU machine"

@@ -13,7 +13,7 @@ import torch
 from rlhf.config import LoRAConfig
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fused_layers import fuse_layer_ops
+from rlhf.engine.backends.cpu.fused_layers import fuse_layer_ops
 from rlhf.engine.lora import adapters_disabled, adapter_state_dict, merge_state_dict, merged_parameters
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams

@@ -173,7 +173,7 @@ def test_a_plain_trained_model_gathers_nothing() -> None:
 
 
 def test_packed_decode_weights_are_planned_where_the_step_packs_them() -> None:
-    """The packed copy (engine/fast_decode.py) is every layer's projections and the LM head in
+    """The packed copy (engine/backends/cpu/decoder.py) is every layer's projections and the LM head in
     16-column panels: exactly what the decoder packs; the generation phase holds it only where
     --cpu-matmul resolves to oneDNN (the decoder's "auto")."""
     import dataclasses
@@ -183,21 +183,21 @@ def test_packed_decode_weights_are_planned_where_the_step_packs_them() -> None:
     from rlhf.config import PPOConfig
     from rlhf.engine.backends.cpu.decode_op import load_cpu_decode_op
     from rlhf.engine.backends.cpu.matmul import onednn_available
-    from rlhf.engine.fast_decode import FastLlamaDecoder
-    from rlhf.engine.memory_plan import packed_weight_bytes
+    from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder
+    from rlhf.engine.backends.cpu.plan_terms import packed_weight_bytes
     from rlhf.stages.plan import load_model_config, plan_stage
 
     config = tiny_config("llama", vocab_size=97, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=72)
     op = load_cpu_decode_op()
     if op is not None:
-        decoder = FastLlamaDecoder(AutoModelForCausalLM.from_config(config).eval(), 2, 8, packed_gemm=True)
+        decoder = CpuLlamaDecoder(AutoModelForCausalLM.from_config(config).eval(), 2, 8, packed_gemm=True)
         decoder.kernel_step_from(op, "scalar")
         assert packed_weight_bytes(model_shape(config), 4) == sum(t.numel() * 4 for t in decoder._packed)
     ppo = PPOConfig(actor="tiny", reward_fn=["sort"], advantage_estimator="grpo", samples_per_prompt=4)
     planned = {}
     for choice in ("aten", "onednn") if onednn_available() else ("aten",):
-        run = dataclasses.replace(ppo, engine=dataclasses.replace(ppo.engine, cpu_matmul=choice))
+        run = dataclasses.replace(ppo, cpu=dataclasses.replace(ppo.cpu, cpu_matmul=choice))
         generation = next(p for p in plan_stage("ppo", run, 1, "cpu", baseline_gb=0.0).phases if p.name == "generation")
         assert generation.moment == "decode"
         planned[choice] = generation.components.get("packed weights", 0)  # zero terms are dropped

@@ -17,18 +17,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import rlhf.engine.cpu_decode  # noqa: F401  (registers its op)
-import rlhf.engine.kernels  # noqa: F401  (registers its ops)
+import rlhf.engine.backends  # noqa: F401  (registers every backend's ops with their self-tests)
+import rlhf.engine.backends.cpu.decode_op
 from rlhf.engine import ops
-from rlhf.engine.fused_adam import CPU_OP, CUDA_OP, FusedAdamW, adam_reference_step
-from rlhf.engine.kernels import (
-    DECODE_ATTENTION_OP,
-    SAMPLING_OP,
-    SELECTIVE_LOG_SOFTMAX_OP,
-    decode_attention_reference,
-    sample_tokens_reference,
+from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP
+from rlhf.engine.backends.cpu.selftests import cpu_decode_self_test, fused_layers_self_test
+from rlhf.engine.backends.cuda.kernels import DECODE_ATTENTION_OP, SAMPLING_OP, SELECTIVE_LOG_SOFTMAX_OP
+from rlhf.engine.backends.cuda.selftests import (
+    decode_attention_self_test,
+    sampling_self_test,
+    selective_log_softmax_self_test,
 )
-from rlhf.engine.op_selftests import SELF_TESTS
+from rlhf.engine.decode_attention import decode_attention_reference
+from rlhf.engine.fused_adam import CPU_OP, CUDA_OP, FusedAdamW, adam_reference_step, fused_adam_self_test
+from rlhf.engine.sampling import sample_tokens_reference
 from tests.conftest import run_cli
 
 CPU = torch.device("cpu")
@@ -37,11 +39,19 @@ CPU = torch.device("cpu")
 def test_every_registered_op_has_a_self_test() -> None:
     names = {spec.name for spec in ops.registered_ops()}
     assert {CPU_OP, CUDA_OP, DECODE_ATTENTION_OP.name, SAMPLING_OP.name, SELECTIVE_LOG_SOFTMAX_OP.name,
-            rlhf.engine.cpu_decode.CPU_DECODE_OP.name} <= names
-    assert names <= set(SELF_TESTS)
+            rlhf.engine.backends.cpu.decode_op.CPU_DECODE_OP.name} <= names
+    self_tests = ops.self_tests()
+    assert names <= set(self_tests) and all(self_tests[name] is not None for name in names), self_tests
+    assert self_tests == {
+        CPU_OP: fused_adam_self_test, CUDA_OP: fused_adam_self_test,
+        rlhf.engine.backends.cpu.decode_op.CPU_DECODE_OP.name: cpu_decode_self_test,
+        FUSED_LAYERS_OP.name: fused_layers_self_test,
+        DECODE_ATTENTION_OP.name: decode_attention_self_test, SAMPLING_OP.name: sampling_self_test,
+        SELECTIVE_LOG_SOFTMAX_OP.name: selective_log_softmax_self_test,
+    }
 
 
-@pytest.mark.parametrize("name", [CPU_OP, rlhf.engine.cpu_decode.CPU_DECODE_OP.name])
+@pytest.mark.parametrize("name", [CPU_OP, rlhf.engine.backends.cpu.decode_op.CPU_DECODE_OP.name])
 def test_cpu_builds_pass_their_self_test_well_under_a_second(name: str) -> None:
     module = ops.load_op(name)
     if module is None:
@@ -119,13 +129,20 @@ def test_self_tests_leave_the_global_rng_alone() -> None:
 # --------------------------------------------------------------- through the loader
 
 
+def _unloaded(name: str) -> ops._OpState:
+    """Op `name` as registered (its spec and self-test), not yet loaded in this process."""
+    registered = ops._OPS[name]
+    assert registered.self_test is not None
+    return ops._OpState(registered.spec, self_test=registered.self_test)
+
+
 @pytest.fixture
 def fresh_adam_op(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """fused_adam_cpu not yet loaded in this process, with an empty op cache."""
     monkeypatch.setenv("RLHF_OPS_CACHE", str(tmp_path / "ops"))
     monkeypatch.delenv("RLHF_DISABLE_OPS", raising=False)
     monkeypatch.delenv("RLHF_OPS_SELFTEST", raising=False)
-    monkeypatch.setitem(ops._OPS, CPU_OP, ops._OpState(ops._OPS[CPU_OP].spec))
+    monkeypatch.setitem(ops._OPS, CPU_OP, _unloaded(CPU_OP))
     if ops.unavailable_reason(ops._OPS[CPU_OP].spec) is not None:
         pytest.skip("no C++ compiler: the loader never reaches a build")
     return tmp_path
@@ -179,7 +196,7 @@ def test_a_wrong_build_is_disabled_with_one_warning_and_torch_trains(
     assert verdict["passed"] is False and verdict["build"] == ops.build_hash(_wrong_build(fresh_adam_op))
 
     # A later process reads the verdict instead of testing the same build again.
-    monkeypatch.setitem(ops._OPS, CPU_OP, ops._OpState(ops._OPS[CPU_OP].spec))
+    monkeypatch.setitem(ops._OPS, CPU_OP, _unloaded(CPU_OP))
     monkeypatch.setattr(ops, "run_self_test", lambda *args: pytest.fail("the cached verdict was not used"))
     assert ops.load_op(CPU_OP) is None
 

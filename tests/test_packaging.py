@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-import rlhf.engine.cpu_decode  # noqa: F401  (registers its op)
-import rlhf.engine.layer_op  # noqa: F401  (registers its op)
+import rlhf.engine.backends.cpu.decode_op  # noqa: F401  (registers its op)
+import rlhf.engine.backends.cpu.layer_op  # noqa: F401  (registers its op)
 from rlhf.engine import ops
 from rlhf.engine.fused_adam import CPU_OP
 from rlhf.engine.fileio import file_mode
 from tests.conftest import REPO, addition_rows, train_losses, write_jsonl
 
-CPU_OPS = (CPU_OP, rlhf.engine.cpu_decode.CPU_DECODE_OP.name, rlhf.engine.layer_op.FUSED_LAYERS_OP.name)
+CPU_OPS = (CPU_OP, rlhf.engine.backends.cpu.decode_op.CPU_DECODE_OP.name, rlhf.engine.backends.cpu.layer_op.FUSED_LAYERS_OP.name)
 PACKAGE_DIRS = ("rlhf", "engine", "stages", "csrc")
 """What pyproject.toml packages (with pyproject.toml and README.md, the wheel's metadata)."""
 
@@ -64,7 +64,7 @@ def test_the_wheel_carries_every_op_source(venv: Path) -> None:
                    cwd=venv.parent).stdout.split()
     package, csrc = Path(located[0]).parent, Path(located[1])
     assert package.is_relative_to(venv.parent.parent) and csrc == package / "csrc"  # the wheel's, not the checkout's
-    ops.import_op_modules()
+    importlib.import_module("rlhf.engine.backends.registry")  # registers every csrc op
     for spec in ops.registered_ops():
         from rlhf.engine.op_build import source_files
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.engine import fused_layers
+from rlhf.engine.backends.cpu import fused_layers
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.micro_batches import real_spans

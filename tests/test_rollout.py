@@ -71,7 +71,7 @@ def test_tp_coordinates_group_consecutive_ranks_and_check_the_world_size() -> No
 
 
 def test_sharding_plan_is_the_one_meaning_of_a_zero_stage() -> None:
-    from rlhf.engine.fsdp import ShardingPlan, sharding_plan
+    from rlhf.engine.sharding import ShardingPlan, sharding_plan
 
     assert sharding_plan(3) == ShardingPlan(3, "shard", reshard_after_forward=True, sync_grads_every_micro_step=True)
     for stage in (1, 2):

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 import rlhf.engine.train_engine as train_engine
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.fsdp import local_shard, wraps_in_fsdp
+from rlhf.engine.fsdp import local_shard
+from rlhf.engine.sharding import wraps_in_fsdp
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.models.loading import load_causal_lm
 

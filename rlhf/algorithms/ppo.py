@@ -236,6 +236,7 @@ def policy_loss(
     mask: Tensor,
     clip_range: float,
     clip_range_high: float | None = None,
+    *,
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     ratio_level: str = "token",

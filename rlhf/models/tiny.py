@@ -113,6 +113,7 @@ FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
 def tiny_config(
     family: str,
     vocab_size: int,
+    *,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,

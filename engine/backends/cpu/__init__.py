@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from rlhf.engine.backends.base import Backend, Sampler
-from rlhf.engine.backends.cpu.config import CpuConfig
+from rlhf.engine.backends.tuning import CpuConfig
 from rlhf.engine.backends.cpu.decode_op import CPU_DECODE_OP, load_cpu_decode_op
 from rlhf.engine.backends.cpu.decoder import CpuLlamaDecoder, kv_cache_halved, kv_cache_torch_dtype
 from rlhf.engine.backends.cpu.fused_layers import (FUSED_LAYER_FAMILIES, fuse_layer_ops, fused_attention_runs,
@@ -126,4 +126,4 @@ class CpuBackend(Backend):
                 "cpu_fused_layers": self.config.cpu_fused_layers}
 
 
-__all__ = ["CpuBackend", "CpuConfig"]
+__all__ = ["CpuBackend"]

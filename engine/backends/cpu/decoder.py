@@ -80,7 +80,7 @@ class CpuLlamaDecoder(FastLlamaDecoder):
     rows each decode group runs (None: chosen from the last-level cache where the packed GEMM runs)."""
 
     def __init__(
-        self, model: nn.Module, batch: int, max_len: int,
+        self, model: nn.Module, batch: int, max_len: int, *,
         cpu_kernel: bool | Literal["auto"] = "auto", kernel_isa: str = "auto",
         packed_gemm: bool | Literal["auto"] = "auto", kv_cache_dtype: KVCacheDtype = "model",
         rows_per_group: int | None = None, attention_kernel: bool = False,

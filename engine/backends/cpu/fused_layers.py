@@ -38,6 +38,7 @@ from torch.autograd.graph import increment_version
 from rlhf.engine.backends.cpu.matmul import (linear_add, packed_swiglu_weights, panel_gemm_op, shared_input_grads,
                                     shared_input_linears, swiglu_linears)
 from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP, layer_op
+from rlhf.engine.fast_decode import rms_norm as rms_norm_reference  # LlamaRMSNorm.forward, op for op
 
 __all__ = [
     "FUSED_LAYERS_OP", "attention", "attention_reference", "fuse_layer_ops", "fused_attention_runs", "packed_swiglu",
@@ -55,15 +56,6 @@ DECODER_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Mi
 
 
 # ----------------------------------------------------------------------- references (the truth)
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward: normalise in float32, scale by the weight in the input's dtype."""
-    input_dtype = x.dtype
-    hidden = x.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + eps)
-    return weight * hidden.to(input_dtype)
-
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation: silu(gate) * up."""

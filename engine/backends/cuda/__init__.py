@@ -10,13 +10,11 @@ Behind `Backend`'s interface (engine/backends/base.py), tuned by the `cuda:` con
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from rlhf.engine.backends.base import Backend, Sampler
-from rlhf.engine.backends.cuda.config import CudaConfig
+from rlhf.engine.backends.tuning import CudaConfig
 from rlhf.engine.backends.cuda.decode_graph import cuda_graph_decode_requested
 from rlhf.engine.backends.cuda.decoder import CudaLlamaDecoder
 from rlhf.engine.backends.cuda.kernels import (DECODE_ATTENTION_OP, SAMPLING_OP, SELECTIVE_LOG_SOFTMAX_OP,
@@ -75,4 +73,4 @@ class CudaBackend(Backend):
         return fused_selective_log_softmax_forward(logits, index)
 
 
-__all__ = ["CudaBackend", "CudaConfig"]
+__all__ = ["CudaBackend"]

@@ -1,8 +1,9 @@
-"""The CPU backend's tuning: the `cpu:` section of every stage's config (`--cpu-...` flags).
+"""The device backends' tuning: the `cpu:` and `cuda:` sections of every stage's config.
 
 Each field's docstring opens with its CLI help (one paragraph of at most ~160 characters), as in
-engine/config.py. None of them changes what a model computes beyond rounding: they choose how the
-CPU runs it (fused layer kernels, the matmul library, how a rollout's rows are grouped).
+engine/config.py; `--help` lists each section under a heading of its own. None of them changes what a
+model computes beyond rounding: they choose how a device runs it. This module imports no torch, so the
+CLI's configs compose it without loading the backends (engine/backends/registry.py does that).
 """
 
 from __future__ import annotations
@@ -46,7 +47,21 @@ class CpuConfig:
     """
 
 
-RENAMED_CPU_FIELDS: dict[str, str] = {"fused_layers": "cpu_fused_layers", "decode_rows_per_group": "cpu_decode_rows_per_group"}
-"""Earlier names of these fields (the engine: section's fused_layers, ppo's decode_rows_per_group)."""
+@dataclass
+class CudaConfig:
+    """How a GPU runs the models' rollouts."""
 
-__all__ = ["CpuConfig", "CpuMatmul", "RENAMED_CPU_FIELDS"]
+    cuda_graph_decode: bool = False
+    """Replay rollout decode steps as CUDA graphs (one per batch size; opt-in until validated on GPUs); also
+    RLHF_CUDA_GRAPH_DECODE=1.
+
+    A graph replays a whole decode step in one launch, where a small model's step is otherwise bound by
+    ~25 kernel launches per layer from Python (engine/backends/cuda/decode_graph.py).
+    """
+
+
+RENAMED_FIELDS: dict[str, str] = {"fused_layers": "cpu_fused_layers", "decode_rows_per_group": "cpu_decode_rows_per_group"}
+"""Earlier names of these fields (the engine: section's fused_layers, ppo's decode_rows_per_group) -> today's:
+config files, saved configs and flags read both."""
+
+__all__ = ["CpuConfig", "CpuMatmul", "CudaConfig", "RENAMED_FIELDS"]

@@ -2,7 +2,7 @@
 
 SLURM and Kubernetes send SIGTERM some seconds before they kill a job; a terminal's Ctrl-C sends
 SIGINT. While `stop_on_signals` is active (the CLI wraps every command in it), the first such
-signal only records itself. The training loops (stages/trainer.py `run_training`, stages/ppo.py
+signal only records itself. The training loops (stages/trainer.py `run_training`, stages/ppo/loop.py
 `PPOTrainer.train`) call `agreed_stop` at every step boundary: one all_reduce of one integer, so
 every rank stops after the same optimizer step (PPO: iteration), even a rank the signal never
 reached, and the checkpoint written for it is collective and complete. The stage then raises

@@ -146,7 +146,7 @@ def test_reward_clipped_fraction_counts_only_clipped_scores(tiny_model_dirs, pro
 @pytest.mark.parametrize("flag", ["--reward", "--critic"])
 def test_bad_model_folders_fail_before_any_model_loads(tiny_model_dirs, prompts, tmp_path: Path, capsys, flag: str,
                                                        monkeypatch) -> None:
-    import rlhf.stages.ppo as ppo
+    import rlhf.stages.ppo.loop as ppo
 
     def no_loading(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a model was loaded before the folders were checked")

@@ -156,7 +156,7 @@ def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_
     the critic's, the reference model's and the reward model's forwards run packed
     (--pack-sequences; each pair's prompt once where they share it) and the steps are the padded ones."""
     from rlhf.engine import inference
-    from rlhf.stages import ppo
+    from rlhf.stages.ppo import experience_phase as ppo
 
     from rlhf.engine import packing
 

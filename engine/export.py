@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fileio import honour_umask
 from rlhf.engine.fsdp import local_shard
-from rlhf.engine.lora import adapter_state_dict, has_lora, merge_state_dict, merged_export_tensors
+from rlhf.engine.adapters import adapter_state_dict, has_lora, merge_state_dict, merged_export_tensors
 from rlhf.engine.train_engine import NonFiniteTrainingError, TrainEngine, first_non_finite
 from rlhf.engine.write_errors import agreed_write
 from rlhf.logging import get_logger

@@ -21,7 +21,7 @@ from transformers import Cache
 from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.sharding import COMPUTE_DTYPES, ShardingPlan
 from rlhf.engine.distributed import DistributedContext
-from rlhf.engine.layers import decoder_layers
+from rlhf.engine.decoder_layers import decoder_layers
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
 

@@ -42,7 +42,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from rlhf.engine.flops import Head, first_config_value
 from rlhf.engine.sharding import wraps_in_fsdp
 from rlhf.engine.fast_decode import fast_decode_unsupported_reason
-from rlhf.engine.layers import decoder_layers
+from rlhf.engine.decoder_layers import decoder_layers
 
 Shape = tuple[int, ...]
 

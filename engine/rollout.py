@@ -40,7 +40,7 @@ from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
-from rlhf.engine.lora import merged_parameters
+from rlhf.engine.adapters import merged_parameters
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
@@ -193,7 +193,7 @@ def _local_target(src: torch.Tensor, dst: torch.Tensor, ctx: DistributedContext,
 def load_rollout_weights(inference: nn.Module, train_model: nn.Module, ctx: DistributedContext, tp_size: int) -> int:
     """Copy (and cast) every training param into the inference model; returns bytes received
     locally. LoRA adapters are merged into their base weights here, on the shards, once per
-    switch (`engine.lora.merged_parameters`): generation runs the plain model."""
+    switch (`engine.adapters.merged_parameters`): generation runs the plain model."""
     train_params = merged_parameters(train_model)
     moved = 0
     for name, dst in inference.named_parameters():

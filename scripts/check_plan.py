@@ -17,7 +17,7 @@ own measurement, nothing is taken from the run.
 Every row's data has the same length (SFT and pairs truncated at --max-seq-len, prompts of exactly
 --max-prompt-len tokens, responses of exactly --max-new-tokens), so the padded widths the plan
 assumes are the widths the stage sees. The stages run with MALLOC_MMAP_THRESHOLD_=65536 (glibc
-returns each freed tensor at once, see engine/memory.py): RSS then follows the live tensors, which
+returns each freed tensor at once, see engine/phase_memory.py): RSS then follows the live tensors, which
 is what the plan counts, instead of keeping what earlier phases freed.
 
 Each phase is compared twice: on total RSS, and above each side's own baseline (the measured peak

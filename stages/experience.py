@@ -14,7 +14,7 @@ import torch
 
 from rlhf.algorithms.advantages import discounted_returns
 from rlhf.engine.micro_batches import column_span
-from rlhf.algorithms.ppo import KLKind, SumReducer, compute_token_rewards, gae_advantages, masked_whiten
+from rlhf.algorithms.ppo_math import KLKind, SumReducer, compute_token_rewards, gae_advantages, masked_whiten
 
 
 @dataclass

@@ -37,7 +37,7 @@ import torch
 from rlhf.config import RunConfig, StageConfig
 from rlhf.engine.backends.registry import plan_backend
 from rlhf.engine.sharding import resolve_dtype
-from rlhf.engine.memory import GIB, current_rss
+from rlhf.engine.phase_memory import GIB, current_rss
 from rlhf.engine.memory_plan import COMPUTE_BYTES, FP32, working_set_bytes
 from rlhf.engine.batch_size import resolved_batch
 from rlhf.errors import UserError

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from rlhf.config import LoRAConfig
 from rlhf.engine.backends.base import Backend
 from rlhf.engine.logprobs import DEFAULT_CHUNK_BYTES
-from rlhf.engine.memory import GIB
+from rlhf.engine.phase_memory import GIB
 from rlhf.engine.memory_plan import (
     FP32, ModelShape, TrainedModelMemory, layer_saved_bytes, model_shape, saved_activation_bytes, working_set_bytes,
 )

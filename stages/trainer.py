@@ -26,7 +26,7 @@ from rlhf.engine.checkpoint import Checkpointer, complete_checkpoints, saved_run
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.fsdp import local_parameter_count
 from rlhf.engine.backends.registry import backend_for, select_backend
-from rlhf.engine.memory import PhaseMemory, record_baseline
+from rlhf.engine.phase_memory import PhaseMemory, record_baseline
 from rlhf.engine.micro_batches import budget_partition, forward_tokens
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.preemption import Preempted, agreed_stop, mark_stopped, requested_signal, resume_hint, signal_name
@@ -412,7 +412,7 @@ def run_training(
     result = LoopResult(global_step=engine.global_step, last_metrics=dict((loop_state or {}).get("metrics", {})))
     engine.train()
     bar = tqdm(total=total_steps, initial=engine.global_step, desc=stage, disable=not ctx.is_main, dynamic_ncols=True)
-    memory = PhaseMemory(ctx.device)  # peak_mem_gb_train / _eval (engine/memory.py)
+    memory = PhaseMemory(ctx.device)  # peak_mem_gb_train / _eval (engine/phase_memory.py)
     started = time.perf_counter()
     epoch = start_epoch
     # The losses pack their forwards where that runs fewer tokens (sft, reward with --pack-sequences).

@@ -21,7 +21,7 @@ from rlhf.cli import main
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
-from rlhf.engine.layers import decoder_layers
+from rlhf.engine.decoder_layers import decoder_layers
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine

@@ -14,7 +14,7 @@ from rlhf.config import LoRAConfig
 from rlhf.engine.config import EngineConfig
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.backends.cpu.fused_layers import fuse_layer_ops
-from rlhf.engine.lora import adapters_disabled, adapter_state_dict, merge_state_dict, merged_parameters
+from rlhf.engine.adapters import adapters_disabled, adapter_state_dict, merge_state_dict, merged_parameters
 from rlhf.engine.rollout import rollout_mode
 from rlhf.engine.sampling import SamplingParams
 from rlhf.engine.train_engine import TrainEngine
@@ -108,7 +108,7 @@ def test_rollout_generates_with_merged_weights(ctx: DistributedContext) -> None:
 
 def test_reference_is_the_actor_with_adapters_off(ctx: DistributedContext) -> None:
     from rlhf.engine.inference import FrozenModel
-    from rlhf.engine.lora import AdaptersOffReference
+    from rlhf.engine.adapters import AdaptersOffReference
 
     engine, base = _trained_engine(ctx, "llama")
     sequences = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(4))

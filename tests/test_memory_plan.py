@@ -1,4 +1,4 @@
-"""Measured peak memory per phase (engine/memory.py) and `rlhf plan` (engine/memory_plan.py,
+"""Measured peak memory per phase (engine/phase_memory.py) and `rlhf plan` (engine/memory_plan.py,
 stages/plan.py): the meter, the activation model against autograd's saved tensors, parameter
 counts against real models, the command, and the plan against what a stage measures (CPU RSS)."""
 
@@ -23,7 +23,7 @@ import check_plan  # noqa: E402  (scripts/check_plan.py: the same cases, models 
 from rlhf.cli import main  # noqa: E402
 from rlhf.engine import memory  # noqa: E402
 from rlhf.engine.fsdp import enable_activation_checkpointing  # noqa: E402
-from rlhf.engine.memory import GIB, PhaseMemory  # noqa: E402
+from rlhf.engine.phase_memory import GIB, PhaseMemory  # noqa: E402
 from rlhf.engine.memory_plan import model_shape, saved_activation_bytes  # noqa: E402
 from rlhf.models.tiny import FAMILIES, tiny_config  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.algorithms.ppo import policy_loss, value_loss
+from rlhf.algorithms.ppo_math import policy_loss, value_loss
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.micro_batches import column_span, forward_in_micro_batches, length_sorted_micro_batches
 from rlhf.engine.positions import position_ids_from_mask

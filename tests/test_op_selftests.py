@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import rlhf.engine.backends  # noqa: F401  (registers every backend's ops with their self-tests)
+import rlhf.engine.backends.registry  # noqa: F401  (registers every backend's ops with their self-tests)
 import rlhf.engine.backends.cpu.decode_op
 from rlhf.engine import ops
 from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP

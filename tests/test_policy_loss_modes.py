@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms.ppo import aggregate_loss, gspo_log_ratio, kl_loss, masked_mean, policy_loss
+from rlhf.algorithms.ppo_math import aggregate_loss, gspo_log_ratio, kl_loss, masked_mean, policy_loss
 
 # 99 marks padding that must never reach a result.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0], [99.0, 5.0, 7.0, 99.0]])

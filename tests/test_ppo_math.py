@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms.ppo import (
+from rlhf.algorithms.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     compute_token_rewards,
@@ -262,7 +262,7 @@ def test_value_loss_hand_numbers() -> None:
 
 def test_entropy_from_logits_hand_numbers() -> None:
     # The PPO stage's entropy is the chunked one (rlhf.engine.logprobs); the unchunked duplicate
-    # that used to live in rlhf.algorithms.ppo is gone, and its hand-computed cases moved here.
+    # that used to live in rlhf.algorithms.ppo_math is gone, and its hand-computed cases moved here.
     uniform = torch.zeros(2, 3, 7)
     _close(entropy_from_logits_chunked(uniform), [[math.log(7)] * 3] * 2)
     _close(entropy_from_logits_chunked(uniform, chunk_size=1), [[math.log(7)] * 3] * 2)

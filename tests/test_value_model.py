@@ -12,7 +12,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from rlhf.errors import UserError
 from rlhf.engine import positions
-from rlhf.engine.layers import decoder_layers
+from rlhf.engine.decoder_layers import decoder_layers
 from rlhf.models.tiny import FAMILIES, build_char_tokenizer, save_tiny_model
 from rlhf.models.value_model import (
     ValueModel,

@@ -9,7 +9,7 @@ whitened over the batch is `whitens_advantages`. What each estimator is (its bas
 needs groups, whitens, ...) is its entry in `rlhf.algorithms.estimators.ESTIMATORS`.
 
 Conventions: scores are [G * N] in group-major order (the N samples of prompt 0, then the N of
-prompt 1, ...); per-token tensors follow `rlhf.algorithms.ppo` ([B, T] aligned to response
+prompt 1, ...); per-token tensors follow `rlhf.algorithms.ppo_math` ([B, T] aligned to response
 tokens, `mask` 1 on response tokens, outputs 0 outside the mask, float32).
 
 References: GRPO - Shao et al. 2024 (DeepSeekMath), TRL `GRPOTrainer`, OpenRLHF `group_norm`;
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms.estimators import get_estimator
-from rlhf.algorithms.ppo import masked_columns
+from rlhf.algorithms.ppo_math import masked_columns
 
 
 def _as_groups(scores: Tensor, group_size: int) -> Tensor:

@@ -31,7 +31,7 @@ KLDefault = Literal["reward", "loss"]
 loss term."""
 
 LossAggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-"""How per-token losses become one (`rlhf.algorithms.ppo.policy_loss`)."""
+"""How per-token losses become one (`rlhf.algorithms.ppo_math.policy_loss`)."""
 
 GROUP_BASELINES: tuple[Baseline, ...] = ("group mean", "group mean, std-normalised", "leave-one-out")
 """The baselines computed from a prompt's other samples: their estimators need groups."""

@@ -4,7 +4,7 @@
 the model keeps its class, so loading, FSDP2 wrapping, generation and export treat it as before)
 and freezes everything but the adapters (and a value model's head, which is new and trained in
 full). The engine side (reference = adapters off, merged rollout weights, merged or adapter
-export) is `rlhf.engine.lora`.
+export) is `rlhf.engine.adapters`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 from rlhf.config import LoRAConfig
 from rlhf.engine.export import export_adapter, export_model
 from rlhf.engine.fsdp import ShardLoader
-from rlhf.engine.layers import decoder_layers
-from rlhf.engine.lora import base_name
+from rlhf.engine.decoder_layers import decoder_layers
+from rlhf.engine.adapters import base_name
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.errors import UserError
 from rlhf.logging import get_logger

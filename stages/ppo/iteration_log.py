@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.ppo import explained_variance
+from rlhf.algorithms.ppo_math import explained_variance
 from rlhf.engine.distributed import DistributedContext
 from rlhf.logging import get_logger
 from rlhf.reward_batch import SAMPLE_COLUMNS

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController
+from rlhf.algorithms.ppo_math import AdaptiveKLController, FixedKLController
 from rlhf.config import PPOConfig
 from rlhf.data.batching import BatchPlan
 from rlhf.data.stage_rows import tokenize_specs
@@ -20,8 +20,8 @@ from rlhf.engine.ema import ParameterEMA
 from rlhf.engine.export import export_state_dict
 from rlhf.engine.generation import check_rollout_fits
 from rlhf.engine.inference import FrozenModel
-from rlhf.engine.lora import AdaptersOffReference, merge_state_dict
-from rlhf.engine.memory import PhaseMemory
+from rlhf.engine.adapters import AdaptersOffReference, merge_state_dict
+from rlhf.engine.phase_memory import PhaseMemory
 from rlhf.engine.packing import log_packing, packing_unsupported_reason
 from rlhf.engine.preemption import agreed_stop
 from rlhf.engine.rollout import default_parity_tolerance
@@ -79,7 +79,7 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
             kv_cache_dtype=config.kv_cache_dtype,
         )
         self.last_metrics: dict[str, float] = {}
-        self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/memory.py)
+        self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/phase_memory.py)
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
         self.recompute_old_logprobs = config.recompute_old_logprobs

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 
 from rlhf.algorithms.losses import sft_loss_sum
-from rlhf.algorithms.ppo import kl_estimate, kl_loss, masked_mean, policy_loss, value_loss
+from rlhf.algorithms.ppo_math import kl_estimate, kl_loss, masked_mean, policy_loss, value_loss
 from rlhf.data.batching import collate_sft
 from rlhf.engine.inference import micro_batch_slices
 from rlhf.engine.micro_batches import micro_batch_weights, token_budget_micro_batches

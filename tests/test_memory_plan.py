@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import check_plan  # noqa: E402  (scripts/check_plan.py: the same cases, models and data)
 
 from rlhf.cli import main  # noqa: E402
-from rlhf.engine import memory  # noqa: E402
+from rlhf.engine import phase_memory  # noqa: E402
 from rlhf.engine.fsdp import enable_activation_checkpointing  # noqa: E402
 from rlhf.engine.phase_memory import GIB, PhaseMemory  # noqa: E402
 from rlhf.engine.memory_plan import model_shape, saved_activation_bytes  # noqa: E402
@@ -47,7 +47,7 @@ def test_cpu_phase_peaks_nest_and_reset() -> None:
     if meter.mode == "lifetime":
         pytest.skip("no /proc here")
     with meter.phase("outer"):
-        before = memory.current_rss()
+        before = phase_memory.current_rss()
         with meter.phase("inner"):
             touched(96).close()
         touched(16).close()
@@ -75,13 +75,13 @@ def test_metrics_are_gib_and_reduced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_sampling_fallback_without_clear_refs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    if memory.current_rss() is None:
+    if phase_memory.current_rss() is None:
         pytest.skip("no /proc here")
     monkeypatch.setattr(memory, "CLEAR_REFS", tmp_path / "missing" / "clear_refs")
     monkeypatch.setattr(memory, "SAMPLE_SECONDS", 0.0005)
     meter = PhaseMemory(torch.device("cpu"))
     assert meter.mode == "sample"
-    before = memory.current_rss()
+    before = phase_memory.current_rss()
     with meter.phase("p"):
         x = touched(64)
         time.sleep(0.05)  # the sampler sees it

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import pytest
 
-import rlhf.engine.backends.cpu.decode_op  # noqa: F401  (registers its op)
-import rlhf.engine.backends.cpu.layer_op  # noqa: F401  (registers its op)
+import rlhf.engine.backends.registry  # noqa: F401  (registers every backend's ops with their self-tests)
 from rlhf.engine import ops
-from rlhf.engine.fused_adam import CPU_OP
+from rlhf.engine.backends.cpu.decode_op import CPU_DECODE_OP
+from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP
 from rlhf.engine.fileio import file_mode
+from rlhf.engine.fused_adam import CPU_OP
 from tests.conftest import REPO, addition_rows, train_losses, write_jsonl
 
-CPU_OPS = (CPU_OP, rlhf.engine.backends.cpu.decode_op.CPU_DECODE_OP.name, rlhf.engine.backends.cpu.layer_op.FUSED_LAYERS_OP.name)
+CPU_OPS = (CPU_OP, CPU_DECODE_OP.name, FUSED_LAYERS_OP.name)
 PACKAGE_DIRS = ("rlhf", "engine", "stages", "csrc")
 """What pyproject.toml packages (with pyproject.toml and README.md, the wheel's metadata)."""
 

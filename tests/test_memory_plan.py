@@ -58,7 +58,7 @@ def test_cpu_phase_peaks_nest_and_reset() -> None:
 
 
 def test_metrics_are_gib_and_reduced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "_baseline", 1 * GIB)
+    monkeypatch.setattr(phase_memory, "_baseline", 1 * GIB)
     meter = PhaseMemory(torch.device("cpu"))
     with meter.phase("train"):
         pass
@@ -77,8 +77,8 @@ def test_metrics_are_gib_and_reduced(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sampling_fallback_without_clear_refs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if phase_memory.current_rss() is None:
         pytest.skip("no /proc here")
-    monkeypatch.setattr(memory, "CLEAR_REFS", tmp_path / "missing" / "clear_refs")
-    monkeypatch.setattr(memory, "SAMPLE_SECONDS", 0.0005)
+    monkeypatch.setattr(phase_memory, "CLEAR_REFS", tmp_path / "missing" / "clear_refs")
+    monkeypatch.setattr(phase_memory, "SAMPLE_SECONDS", 0.0005)
     meter = PhaseMemory(torch.device("cpu"))
     assert meter.mode == "sample"
     before = phase_memory.current_rss()

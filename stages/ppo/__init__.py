@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.config import PPOConfig
+from rlhf.engine.backends.registry import select_backend
 from rlhf.engine.distributed import DistributedContext
 from rlhf.stages.ppo.checks import check_batch_arithmetic, check_config, default_minibatch
 from rlhf.stages.ppo.loop import PPOTrainer
@@ -44,6 +45,7 @@ from rlhf.stages.trainer import start_stage
 def run(config: PPOConfig) -> dict[str, Any]:
     """Train the actor (and critic) with PPO; collective: every rank calls it. Returns the summary."""
     ctx = DistributedContext.initialize()
+    select_backend(ctx.device, config.cpu, config.cuda)  # before check_config allocates: malloc tuning starts early
     functions = check_config(config, ctx)
     config, output = start_stage(config, ctx, "ppo", **default_minibatch(config, ctx.world_size))  # resolved
     check_batch_arithmetic(config, ctx)

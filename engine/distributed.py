@@ -111,6 +111,26 @@ def _start_watchdog(rank: int, world_size: int, timeout: float) -> None:
         _watchdog = StallWatchdog(rank, world_size, timeout).start()
 
 
+def rank_device(local_rank: int, cuda_devices: int) -> torch.device:
+    """This rank's device: the CPU without CUDA; `cuda:LOCAL_RANK` where the rank sees every GPU of
+    its node (torchrun); `cuda:0` where a launcher gives each rank the one GPU it sees (`srun
+    --gpus-per-task=1`, CUDA_VISIBLE_DEVICES per rank)."""
+    if cuda_devices == 0:
+        return torch.device("cpu")
+    if cuda_devices == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= cuda_devices:
+        raise UserError(f"LOCAL_RANK {local_rank} but this process sees only {cuda_devices} GPUs; lower "
+                        "--nproc-per-node, or give each rank one GPU (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", local_rank)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The process group's backends: gloo for CPU tensors always (CPU offload's gradient clipping and
+    gathers, metrics reduced on the host), NCCL for CUDA ones where the ranks run on GPUs."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 @dataclass(frozen=True)
 class TPCoordinates:
     """Where this rank sits among the tensor-parallel groups of size `size`.
@@ -151,20 +171,15 @@ class DistributedContext:
         collective; with several ranks the stall watchdog starts with the same limit."""
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         use_cuda = torch.cuda.is_available() and os.environ.get("RLHF_FORCE_CPU") != "1"
+        device = rank_device(local_rank, torch.cuda.device_count() if use_cuda else 0)
         if use_cuda:
-            if local_rank >= torch.cuda.device_count():
-                raise UserError(
-                    f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs; lower --nproc-per-node"
-                )
-            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        backend = "nccl" if use_cuda else "gloo"
+        backend = process_group_backend(device)
         if not dist.is_initialized():
             seconds = timeout_s if timeout_s is not None else _dist_timeout
             timeout = datetime.timedelta(seconds=seconds)
             if "MASTER_ADDR" in os.environ:
+                # device_id: NCCL's communicator forms now, on this rank's GPU (gloo keeps the CPU tensors).
                 dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
                 _start_watchdog(dist.get_rank(), dist.get_world_size(), seconds)
             else:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from rlhf.engine.attention import masked_attention
 from rlhf.engine.decode_attention import decode_attention_reference
 from rlhf.engine.decode_loop import DecodeLoop
 
@@ -340,12 +341,7 @@ class FastLlamaDecoder:
             out = out.reshape(batch, heads * head_dim)  # CUDA's kernels may return it strided
         else:
             q = qk.narrow(2, 0, heads).transpose(1, 2)
-            # CPU SDPA shares KV heads itself (faster than repeating them); CUDA's kernels fall
-            # back to the math one for GQA under a mask, so there the heads are repeated.
-            gqa = groups > 1 and q.device.type == "cpu"
-            if groups > 1 and not gqa:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+            out = masked_attention(q, k, v, mask, self.scaling)
             out = out.transpose(1, 2).reshape(batch * steps, heads * head_dim)
         return self.linear(out, w.wo, w.bo)
 

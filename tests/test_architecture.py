@@ -451,3 +451,32 @@ def test_the_cli_loads_no_backend_and_no_torch() -> None:
     code = "import sys, rlhf.cli; print(sorted(m for m in sys.modules if m == 'torch' or '.backends.' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "['rlhf.engine.backends.tuning']", out
+
+
+def _sdpa_calls_sharing_kv_heads(source: str) -> list[int]:
+    """Lines of `scaled_dot_product_attention(...)` calls that pass `enable_gqa` (other than False)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
+                "scaled_dot_product_attention":
+            gqa = [k for k in node.keywords if k.arg == "enable_gqa"]
+            if gqa and not (isinstance(gqa[0].value, ast.Constant) and gqa[0].value.value is False):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_sdpa_lint_sees_enable_gqa() -> None:
+    source = "import torch.nn.functional as F\nF.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=g)\n"
+    assert _sdpa_calls_sharing_kv_heads(source) == [2]
+    assert _sdpa_calls_sharing_kv_heads("F.scaled_dot_product_attention(q, k, v, enable_gqa=False)\n") == []
+
+
+def test_only_masked_attention_passes_enable_gqa() -> None:
+    """CUDA's SDPA serves enable_gqa under an explicit mask with the math kernel (O(T^2) scores kept
+    for backward): engine/attention.py is the one call that decides by device."""
+    allowed = REPO / "engine" / "attention.py"
+    found = [f"{path.relative_to(REPO)}:{line}" for folder in ("rlhf", "stages", "engine", "scripts")
+             for path in sorted((REPO / folder).rglob("*.py")) if path != allowed
+             for line in _sdpa_calls_sharing_kv_heads(path.read_text())]
+    assert found == [], f"SDPA calls passing enable_gqa outside engine/attention.py: {found}"
+    assert _sdpa_calls_sharing_kv_heads(allowed.read_text())

@@ -38,6 +38,7 @@ from torch.autograd.graph import increment_version
 from rlhf.engine.backends.cpu.matmul import (linear_add, packed_swiglu_weights, panel_gemm_op, shared_input_grads,
                                     shared_input_linears, swiglu_linears)
 from rlhf.engine.backends.cpu.layer_op import FUSED_LAYERS_OP, layer_op
+from rlhf.engine.attention import masked_attention
 from rlhf.engine.fast_decode import rms_norm as rms_norm_reference  # LlamaRMSNorm.forward, op for op
 
 __all__ = [
@@ -81,9 +82,7 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """What Hugging Face's SDPA attention computes without dropout: q [B, H, T, D] over k, v
     [B, Hkv, S, D] with a boolean mask [B or 1, 1, T, S] (True = visible) or causally when there
     is none; -> [B, T, H, D]."""
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                         is_causal=mask is None and query.shape[2] > 1,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+    out = masked_attention(query, key, value, mask, scale, is_causal=mask is None and query.shape[2] > 1)
     return out.transpose(1, 2).contiguous()
 
 

@@ -230,3 +230,30 @@ def test_cuda_builds_pass_their_self_test_on_this_gpu(name: str) -> None:
     verdict = ops.run_self_test(name, module, ops.op_device(ops._OPS[name].spec))
     assert verdict.passed, verdict.detail
     assert verdict.seconds < 1.0
+
+
+# --------------------------------------------------------------- the self-tests reach every kernel path
+
+
+@pytest.mark.parametrize("sm_count", [16, 78, 132])  # a small GPU, an L40S-class one, an H100/H200
+def test_decode_attention_self_test_runs_one_split_and_several(sm_count: int) -> None:
+    from rlhf.engine.backends.cuda.kernels import decode_attention_splits
+    from rlhf.engine.backends.cuda.selftests import DECODE_ATTENTION_CASES
+
+    splits = {decode_attention_splits(b, h, kv, s, sm_count) for b, h, kv, s in DECODE_ATTENTION_CASES}
+    assert 1 in splits and max(splits) > 1, splits
+    chunks = {next((c for c in (8, 4, 2) if (h // kv) % c == 0), 1) for _, h, kv, _ in DECODE_ATTENTION_CASES}
+    assert chunks == {1, 2, 8}  # the query-chunk templates the launcher picks
+
+
+def test_selective_log_softmax_self_test_takes_scalar_and_vector_loads() -> None:
+    from rlhf.engine.backends.cuda.kernels import selective_log_softmax_vectorised
+    from rlhf.engine.backends.cuda.selftests import SELECTIVE_LOG_SOFTMAX_SHAPES
+
+    for dtype in (torch.float32, torch.bfloat16):
+        paths = set()
+        for batch, time, vocab in SELECTIVE_LOG_SOFTMAX_SHAPES:
+            base = torch.zeros(batch, time + 1, vocab, dtype=dtype)
+            paths |= {selective_log_softmax_vectorised(base[:, :time].contiguous()),
+                      selective_log_softmax_vectorised(base[:, 1:])}
+        assert paths == {True, False}, dtype

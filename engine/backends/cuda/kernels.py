@@ -89,6 +89,31 @@ def _decode_attention_shape_reason(dtype: torch.dtype, head_dim: int, batch: int
     return None
 
 
+_DECODE_TILE, _DECODE_MAX_SPLITS, _DECODE_BLOCKS_PER_SM = 128, 128, 2  # decode_attention.cu's kTile, ...
+
+
+def decode_attention_splits(batch: int, heads: int, kv_heads: int, seq_len: int, sm_count: int) -> int:
+    """How many splits of the sequence the CUDA op runs (csrc's `decode_attention_plan`, mirrored):
+    enough blocks to fill the GPU, one tile of 128 keys at least per split; more than one runs the
+    merge kernel. The self-tests' shapes are checked against it (tests/test_op_selftests.py)."""
+    group = heads // kv_heads
+    chunk = next((c for c in (8, 4, 2) if group % c == 0), 1)
+    base_blocks = batch * kv_heads * (group // chunk)
+    tiles = max(1, -(-seq_len // _DECODE_TILE))
+    wanted = -(-(_DECODE_BLOCKS_PER_SM * sm_count) // max(1, base_blocks))
+    splits = min(max(wanted, 1), min(tiles, _DECODE_MAX_SPLITS))
+    split_len = -(-tiles // splits) * _DECODE_TILE
+    return max(1, -(-seq_len // split_len))
+
+
+def selective_log_softmax_vectorised(logits: torch.Tensor) -> bool:
+    """Whether the CUDA op reads these logits with 16-byte vector loads (csrc's launch condition,
+    mirrored): an aligned start, and a vocabulary and row strides that are multiples of 16 bytes."""
+    vec = 16 // logits.element_size()
+    return (logits.data_ptr() % 16 == 0 and logits.shape[-1] % vec == 0
+            and logits.stride(0) % vec == 0 and logits.stride(1) % vec == 0)
+
+
 def decode_attention_kernel_unsupported_reason(
     device: torch.device, dtype: torch.dtype, head_dim: int, batch: int
 ) -> str | None:
@@ -198,5 +223,6 @@ def fused_selective_log_softmax_forward(
 
 __all__ = [
     "DECODE_ATTENTION_HEAD_DIMS", "DECODE_ATTENTION_OP", "SAMPLING_OP", "SELECTIVE_LOG_SOFTMAX_OP", "decode_attention",
-    "decode_attention_kernel_unsupported_reason", "fused_selective_log_softmax_forward", "sample_tokens",
+    "decode_attention_kernel_unsupported_reason", "decode_attention_splits", "fused_selective_log_softmax_forward",
+    "sample_tokens", "selective_log_softmax_vectorised",
 ]

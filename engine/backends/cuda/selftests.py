@@ -25,27 +25,41 @@ def _left_padded_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return positions[None, :] >= (width - lengths)[:, None]
 
 
+DECODE_ATTENTION_CASES = ((3, 4, 2, 37), (2, 8, 1, 700), (1, 12, 4, 2100), (2, 32, 4, 300))
+"""(batch, heads, kv_heads, context) of the decode-attention checks: one split at a short context, and
+long contexts that `decode_attention_splits` cuts into several splits (the merge kernel) on any GPU,
+over GQA groups of 2, 8, 3 (no query chunk) and 8 (Llama-3's 32/4)."""
+
+SELECTIVE_LOG_SOFTMAX_SHAPES = ((1, 1, 1), (2, 9, 1031), (2, 5, 4096))
+"""(batch, time, vocab) of the log-softmax checks: odd vocabularies take the op's scalar loads, a
+multiple of 8 its 16-byte vector loads (`selective_log_softmax_vectorised`)."""
+
+
 def decode_attention_self_test(module: ModuleType, device: torch.device) -> str:
     """Every head size the op is built for, fp16 and bf16, GQA, per-row lengths and left-padding
-    masks, with NaN in the stale cache slots (a kernel that reads them fails)."""
+    masks, one split and several (`DECODE_ATTENTION_CASES`), with NaN in the stale cache slots (a
+    kernel that reads them fails)."""
     worst = Worst()
     gen = torch.Generator().manual_seed(1)
-    batch, heads, kv_heads, context = 3, 4, 2, 37
-    lengths = torch.tensor([context, 1, 20], device=device)
-    for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in DECODE_ATTENTION_HEAD_DIMS:
-            k = torch.randn(batch, kv_heads, context + 5, head_dim, generator=gen).to(device, dtype)
-            v = torch.randn(batch, kv_heads, context + 5, head_dim, generator=gen).to(device, dtype)
-            k[:, :, context:] = float("nan")
-            v[:, :, context:] = float("nan")
-            q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
-            scale = head_dim**-0.5
-            mask = _left_padded_mask(lengths, context)
-            for name, by_length, by_mask, used in (("lengths", lengths, None, k.shape[2]), ("mask", None, mask, context)):
-                got = module.decode_attention(q, k, v, by_length, by_mask, used, float(scale))
-                want = decode_attention_reference(q.float(), k.float(), v.float(), mask if by_mask is not None else lengths)
-                tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
-                worst.close(f"decode_attention {dtype} head_dim={head_dim} by {name}", got, want, rtol=1e-2, atol=tol)
+    for batch, heads, kv_heads, context in DECODE_ATTENTION_CASES:
+        lengths = torch.tensor([context, 1, context // 2][:batch], device=device)
+        mask = _left_padded_mask(lengths, context)
+        for dtype in (torch.bfloat16, torch.float16):
+            for head_dim in DECODE_ATTENTION_HEAD_DIMS:
+                k = torch.randn(batch, kv_heads, context + 5, head_dim, generator=gen).to(device, dtype)
+                v = torch.randn(batch, kv_heads, context + 5, head_dim, generator=gen).to(device, dtype)
+                k[:, :, context:] = float("nan")
+                v[:, :, context:] = float("nan")
+                q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+                scale = head_dim**-0.5
+                for name, by_length, by_mask, used in (("lengths", lengths, None, k.shape[2]),
+                                                       ("mask", None, mask, context)):
+                    got = module.decode_attention(q, k, v, by_length, by_mask, used, float(scale))
+                    want = decode_attention_reference(q.float(), k.float(), v.float(),
+                                                      mask if by_mask is not None else lengths)
+                    tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
+                    worst.close(f"decode_attention {dtype} {heads}/{kv_heads} heads context={context} "
+                                f"head_dim={head_dim} by {name}", got, want, rtol=1e-2, atol=tol)
     return worst.summary()
 
 
@@ -75,11 +89,11 @@ def sampling_self_test(module: ModuleType, device: torch.device) -> str:
 
 def selective_log_softmax_self_test(module: ModuleType, device: torch.device) -> str:
     """log p(index) and logsumexp in fp32 for fp32/bf16/fp16 logits, contiguous and shifted
-    (the logits[:, :-1] view every loss passes)."""
+    (the logits[:, :-1] view every loss passes), through the op's scalar and vector loads."""
     worst = Worst()
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for batch, time, vocab in ((1, 1, 1), (2, 9, 1031)):
+        for batch, time, vocab in SELECTIVE_LOG_SOFTMAX_SHAPES:
             base = (5 * torch.randn(batch, time + 1, vocab, generator=gen)).to(device, dtype)
             index = torch.randint(0, vocab, (batch, time), generator=gen).to(device)
             for logits in (base[:, :time].contiguous(), base[:, 1:]):
@@ -93,4 +107,5 @@ def selective_log_softmax_self_test(module: ModuleType, device: torch.device) ->
     return worst.summary()
 
 
-__all__ = ["decode_attention_self_test", "sampling_self_test", "selective_log_softmax_self_test"]
+__all__ = ["DECODE_ATTENTION_CASES", "SELECTIVE_LOG_SOFTMAX_SHAPES", "decode_attention_self_test", "sampling_self_test",
+           "selective_log_softmax_self_test"]

@@ -46,8 +46,8 @@ from rlhf.engine.attention import masked_attention
 from rlhf.engine.decode_attention import decode_attention_reference
 from rlhf.engine.decode_loop import DecodeLoop
 
-__all__ = ["FastLlamaDecoder", "computes_as_linear", "fast_decode_unsupported_reason", "rms_norm", "apply_rope",
-           "signed_sin"]
+__all__ = ["FastLlamaDecoder", "computes_as_linear", "copied_projection_bytes", "fast_decode_unsupported_reason",
+           "fused_projection_groups", "rms_norm", "apply_rope", "share_fused_storage", "signed_sin", "view_transpose"]
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 # Rope types whose frequencies depend on the sequence length seen so far (HF's dynamic_rope_update):
@@ -70,6 +70,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def plain_transpose(x: torch.Tensor) -> torch.Tensor:
     """x [rows, cols] -> x.t().contiguous()."""
     return x.t().contiguous()
+
+
+def view_transpose(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] -> x.t(), a view: for GEMMs that read a transposed operand at full speed (cuBLAS)."""
+    return x.t()
 
 
 # -- pure math ----------------------------------------------------------------------------------
@@ -176,16 +181,77 @@ class _LayerWeights:
     b_down: torch.Tensor | None
 
 
+def _adjacent_rows(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The weights [out_i, in] as one [sum(out_i), in] view when they are consecutive rows of one
+    storage (a rollout skeleton's, `share_fused_storage`), else None."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for w in weights:
+        if (not w.is_contiguous() or w.dtype != first.dtype or w.shape[1:] != first.shape[1:]
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.storage_offset() != offset):
+            return None
+        offset += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
 def _fused_t(transpose: Transpose, *linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weights of several projections of one input side by side, transposed: [in, sum(out)]
-    contiguous, and their biases concatenated. The weights' rows are concatenated, then transposed
-    by `transpose` (a backend's may be faster than torch's copy): the same floats as concatenating
-    their transposed views, which torch copies a float at a time."""
-    weight = transpose(torch.cat([m.weight.detach() for m in linears]))
+    """Weights of several projections of one input side by side, transposed: [in, sum(out)], and
+    their biases concatenated. Rows already side by side in one storage (`share_fused_storage`) are
+    read in place; others are concatenated. Then `transpose` (a backend's: a contiguous copy on the
+    CPU, a view on CUDA, whose GEMMs read either layout) gives the [in, out] layout."""
+    weights = [m.weight.detach() for m in linears]
+    joined = _adjacent_rows(weights)
+    weight = transpose(joined if joined is not None else torch.cat(weights))
     if all(m.bias is None for m in linears):
         return weight, None
     biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-    return weight, torch.cat(biases)
+    joined_bias = _adjacent_rows([b[:, None] for b in biases]) if all(m.bias is not None for m in linears) else None
+    return weight, joined_bias[:, 0] if joined_bias is not None else torch.cat(biases)
+
+
+def fused_projection_groups(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[nn.Linear, ...]]:
+    """A Llama-family decoder layer's projections the fast decoder runs as one: q/k/v, and gate/up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+
+
+@torch.no_grad()
+def share_fused_storage(model: nn.Module) -> int:
+    """Give each decoder layer's q/k/v weights (and biases) one storage, rows side by side, and its
+    gate/up weights another, in place (values kept; parameter names and modules unchanged), so the
+    fast decoder reads them fused without a copy (`_fused_t`). A rollout skeleton does this once
+    (engine/rollout.py). -> the layers changed (0 for a model the fast decoder does not run)."""
+    if fast_decode_unsupported_reason(model) is not None:
+        return 0
+    layers = _decoder_layers(model)
+    for layer in layers:
+        for group in fused_projection_groups(layer):
+            for name in ("weight", "bias"):
+                tensors = [getattr(m, name) for m in group]
+                if any(t is None for t in tensors):
+                    continue
+                joined = torch.cat([t.detach() for t in tensors])
+                start = 0
+                for m, t in zip(group, tensors):
+                    setattr(m, name, nn.Parameter(joined[start : start + t.shape[0]], requires_grad=t.requires_grad))
+                    start += t.shape[0]
+    return len(layers)
+
+
+def copied_projection_bytes(model: nn.Module, transpose_copies: bool) -> int:
+    """Bytes the fast decoder allocates for `model`'s fused q/k/v and gate/up weights: none where
+    they share a storage and `transpose_copies` is False (a view), else one copy of each."""
+    if fast_decode_unsupported_reason(model) is not None:
+        return 0
+    total = 0
+    for layer in _decoder_layers(model):
+        for group in fused_projection_groups(layer):
+            weights = [m.weight for m in group]
+            if transpose_copies or _adjacent_rows(weights) is None:
+                total += sum(w.numel() * w.element_size() for w in weights)
+    return total
 
 
 def _linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -199,8 +265,9 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
 
 def _layer_weights(layer: nn.Module, transpose: Transpose) -> _LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    wqkv_t, bqkv = _fused_t(transpose, attn.q_proj, attn.k_proj, attn.v_proj)
-    w_gate_up_t, b_gate_up = _fused_t(transpose, mlp.gate_proj, mlp.up_proj)
+    qkv, gate_up = fused_projection_groups(layer)
+    wqkv_t, bqkv = _fused_t(transpose, *qkv)
+    w_gate_up_t, b_gate_up = _fused_t(transpose, *gate_up)
     return _LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         input_eps=float(layer.input_layernorm.variance_epsilon),

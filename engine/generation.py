@@ -266,24 +266,27 @@ def _gib(n: int) -> str:
 
 def check_generation_fits(
     config: PretrainedConfig, rows: int, prompt_len: int, max_new_tokens: int, dtype: torch.dtype,
-    device: torch.device, tp_size: int = 1, where: str = "generate()",
+    device: torch.device, tp_size: int = 1, where: str = "generate()", weight_copies: int = 0,
 ) -> None:
     """Refuse, with the numbers, a rollout of `rows` sequences of `prompt_len` + `max_new_tokens`
-    tokens that exceeds the model's max_position_embeddings or whose KV cache (`kv_cache_bytes`)
-    exceeds the memory `device` has available; a model past its positions computes garbage, and
-    an oversized cache is found out by the kernel's OOM killer, not by an exception."""
+    tokens that exceeds the model's max_position_embeddings or whose KV cache (`kv_cache_bytes`),
+    with the fast decoder's `weight_copies` bytes, exceeds the memory `device` has available; a
+    model past its positions computes garbage, and an oversized cache is found out by the kernel's
+    OOM killer, not by an exception."""
     total = prompt_len + max_new_tokens
     max_positions = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_positions is not None and total > max_positions:
         raise GenerationTooLarge(
             f"{where}: prompt {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens exceed the model's "
             f"max_position_embeddings {max_positions}; lower --max-new-tokens (or --max-prompt-len)")
-    need = kv_cache_bytes(config, rows, total, dtype, tp_size)
+    cache = kv_cache_bytes(config, rows, total, dtype, tp_size)
+    need = cache + weight_copies
     free = available_memory_bytes(device)
     if free is not None and need > free:
+        copies = f" and the fast decoder's weight copies {_gib(weight_copies)}" if weight_copies else ""
         raise GenerationTooLarge(
-            f"{where}: the KV cache of {rows} sequences x {total} tokens ({dtype}) needs {_gib(need)} but {device} has "
-            f"{_gib(free)} available; lower --generation-batch-size, --max-new-tokens or --max-prompt-len")
+            f"{where}: the KV cache of {rows} sequences x {total} tokens ({dtype}) needs {_gib(cache)}{copies}, but "
+            f"{device} has {_gib(free)} available; lower --generation-batch-size, --max-new-tokens or --max-prompt-len")
 
 
 def check_rollout_fits(
@@ -334,8 +337,9 @@ def generate(
     prompt_len = input_ids.shape[1]
     rows = input_ids.shape[0] if index is None else index.numel()
     param = next(model.parameters())
+    copies = backend_for(input_ids.device).decoder_weight_bytes(model) if fast is not False else 0
     check_generation_fits(model.config, rows, prompt_len, params.max_new_tokens, param.dtype, input_ids.device,
-                          _tp_size(param))
+                          _tp_size(param), weight_copies=copies)
     # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
     prompt_positions = position_ids_from_mask(attention_mask)
     runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast, params.kv_cache_dtype)

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.backends.registry import backend_for
+from rlhf.engine.fast_decode import share_fused_storage
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.adapters import merged_parameters
@@ -110,11 +111,14 @@ def build_inference_skeleton(train_model: nn.Module, ctx: DistributedContext, tp
     for name, buf in model.named_buffers():
         if name in train_buffers:
             buf.copy_(train_buffers[name].to(buf.dtype) if buf.is_floating_point() else train_buffers[name])
+    model.eval()
     if tp_size > 1:
         parallelize_module(model, ctx.tp_mesh(tp_size)["tp"], tensor_parallel_plan(model, tp_size))
-    else:  # layers and linears as train mode runs them (the device backend's): HF generation's too
+    else:
+        # q/k/v and gate/up rows side by side, once: the fast decoder reads them fused in place.
+        share_fused_storage(model)
+        # Layers and linears as train mode runs them (the device backend's): HF generation's too.
         backend_for(ctx.device).prepare_like(model, train_model)
-    model.eval()
     model.requires_grad_(False)
     return model
 

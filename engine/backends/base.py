@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlhf.engine.fast_decode import FastLlamaDecoder
-from rlhf.engine.memory_plan import ModelShape
+from rlhf.engine.fast_decode import FastLlamaDecoder, copied_projection_bytes
+from rlhf.engine.memory_plan import ModelShape, fused_weight_bytes
 from rlhf.engine.sampling import KVCacheDtype, SamplingParams
 
 _generation_kernels_enabled = True
@@ -117,9 +117,18 @@ class Backend:
         """A model of `model_type` trained in `dtype` runs fused layers (they save fewer activations)."""
         return False
 
+    copies_fused_weights = True
+    """The fast decoder keeps its own [in, out] copy of the fused q/k/v and gate/up weights (the
+    reference's and the CPU's layout); False: it reads a rollout skeleton's shared storage in place."""
+
     def decode_weight_copies(self, shape: ModelShape, compute_bytes: int) -> dict[str, int]:
-        """Copies of the weights the backend's decode steps keep during a rollout, by name -> bytes."""
-        return {}
+        """Copies of the weights the backend's decode steps keep during a rollout (a tp=1 rollout of a
+        model the fast decoder runs), by name -> bytes."""
+        return {"fused weights": fused_weight_bytes(shape, compute_bytes) if self.copies_fused_weights else 0}
+
+    def decoder_weight_bytes(self, model: nn.Module) -> int:
+        """Bytes of weight copies `fast_decoder(model, ...)` would allocate (generation checks they fit)."""
+        return copied_projection_bytes(model, transpose_copies=self.copies_fused_weights)
 
     def report_lines(self) -> list[tuple[str, str]]:
         """(label, text) rows `rlhf report` prints for this backend."""

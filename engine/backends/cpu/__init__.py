@@ -114,9 +114,11 @@ class CpuBackend(Backend):
         return self.config.cpu_fused_layers and not compile and dtype == "fp32" and model_type in FUSED_LAYER_FAMILIES
 
     def decode_weight_copies(self, shape: ModelShape, compute_bytes: int) -> dict[str, int]:
-        """The fused decode step's packed weights, where --cpu-matmul resolves to oneDNN (float32)."""
+        """The fused weights' [in, out] copies, and the fused decode step's packed weights where --cpu-matmul
+        resolves to oneDNN (float32)."""
         packs = compute_bytes == 4 and resolve_cpu_matmul(self.config.cpu_matmul) == "onednn"
-        return {"packed weights": packed_weight_bytes(shape, compute_bytes) if packs else 0}
+        return {**super().decode_weight_copies(shape, compute_bytes),
+                "packed weights": packed_weight_bytes(shape, compute_bytes) if packs else 0}
 
     def report_lines(self) -> list[tuple[str, str]]:
         return [("cpu matmul", cpu_matmul_line())]

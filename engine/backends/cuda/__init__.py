@@ -4,7 +4,7 @@ Behind `Backend`'s interface (engine/backends/base.py), tuned by the `cuda:` con
 
     kernels.py       decode attention, sampling and selective log-softmax through csrc/generation's ops
     decoder.py       `CudaLlamaDecoder`: the fast decoder's steps through them, replayed as CUDA graphs
-    decode_graph.py  the static buffers and the capture of one decode step
+    decode_graph.py  the static buffers, and the decode graphs captured once per padded batch size
     selftests.py     the load-time self-tests of its ops
 """
 
@@ -39,6 +39,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     device_type = "cuda"
+    copies_fused_weights = False  # CudaLlamaDecoder reads a rollout skeleton's fused storage in place
 
     def __init__(self, config: CudaConfig | None = None) -> None:
         self.config = config or CudaConfig()

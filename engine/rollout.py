@@ -176,6 +176,8 @@ def _local_target(src: torch.Tensor, dst: torch.Tensor, ctx: DistributedContext,
     """This rank's part of training param `src` in the placement of inference param `dst`."""
     if not isinstance(src, DTensor):
         return src
+    if src.device_mesh.size() == 1 and not isinstance(dst, DTensor):  # one rank holds it whole: no collective
+        return src.to_local()
     if not isinstance(dst, DTensor):
         return src.full_tensor()
     target = dst.placements[0]
@@ -306,9 +308,9 @@ def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None 
         yield rollout
     finally:
         rollout.model = None  # type: ignore[assignment]
+        # The copies' storage and the KV cache go back to the caching allocator, whose blocks the
+        # training phase reuses (emptying the cache would hand them to the driver and back every iteration).
         skeleton.release()
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
         if was_training:
             engine.model.train()
         log.info("rollout mode: exit, back in train mode (%s)", memory_snapshot(ctx.device))

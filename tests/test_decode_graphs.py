@@ -139,3 +139,16 @@ def test_the_plan_and_the_fit_check_count_the_decoders_weight_copies(tok, batch,
     with pytest.raises(GenerationTooLarge, match="the fast decoder's weight copies"):
         generate(model, ids, mask, params, fast=True)
     assert generate(model, ids, mask, params, fast=False).sequences.shape[1] == ids.shape[1] + 4
+
+
+def test_the_cuda_backend_swaps_no_module_and_builds_no_cpu_op(model, monkeypatch) -> None:
+    """A GPU model keeps Hugging Face's modules (the fused layers are the CPU backend's) and its decoder
+    loads no CPU op."""
+    from rlhf.engine import ops
+
+    loaded: list[str] = []
+    monkeypatch.setattr(ops, "load_op", lambda name: loaded.append(name))
+    classes = [type(m) for m in model.modules()]
+    assert CudaBackend().prepare_model(model) == {}
+    CudaBackend().fast_decoder(model, 2, 8)
+    assert [type(m) for m in model.modules()] == classes and loaded == []

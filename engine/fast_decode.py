@@ -6,10 +6,12 @@ projections per layer (on the benchmark's 4-layer CPU model about 2.2 ms of over
 against 0.9 ms here). In the manner of gpt-fast, `FastLlamaDecoder` runs the same math as plain
 functions over tensors it reads from the HF module (the module and its forward are untouched):
 
-- per generate() call the weights are gathered once: q/k/v concatenated into one projection
-  (with Qwen2's biases), gate/up into another, so a layer is 4 matmuls instead of 7; the two
-  are stored transposed, [in, out] row-major: at a decode step's few rows a GEMM multiplies that
-  layout ~1.4x faster than a [out, in] weight it must repack on every call;
+- per generate() call the weights are gathered once: q/k/v as one projection (with Qwen2's
+  biases), gate/up as another, so a layer is 4 matmuls instead of 7. A rollout skeleton keeps
+  each group's rows side by side in one storage (`share_fused_storage`), read in place; other
+  models' are concatenated. The two are used transposed, [in, out]: on the CPU as a row-major
+  copy (at a decode step's few rows a GEMM multiplies that layout ~1.4x faster than a [out, in]
+  weight it must repack on every call), on CUDA as a view (cuBLAS reads either layout);
 - RoPE cos/sin come from the model's own rotary embedding module, tabulated once for every
   position of the rollout (so rope_scaling types such as linear, llama3 or yarn are honoured),
   and are applied to queries and keys together;

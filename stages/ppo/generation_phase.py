@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlhf.algorithms.advantages import overlong_penalty, varied_groups
@@ -102,9 +104,9 @@ class GenerationPhase:
         mine = slice(self.tp.rank_in_group * self.batch_per_rank, (self.tp.rank_in_group + 1) * self.batch_per_rank)
         rows = group_slots[mine]
         sequences, action = out.sequences[mine], out.action_mask[mine]
-        decoded = self.tokenizer.batch_decode([s[a] for s, a in zip(sequences, action)], skip_special_tokens=True)
+        decoded = decode_responses(self.tokenizer, sequences, action, out.prompt_length)
         return Rollouts(sequences, out.attention_mask[mine], action, out.finished[mine],
-                        [self.prompts.messages[i] for i in rows], [r.strip() for r in decoded],
+                        [self.prompts.messages[i] for i in rows], decoded,
                         [self.prompts.fields[i] for i in rows], rollout_metrics, logprobs=out.logprobs[mine],
                         conversational=[self.prompts.conversational[i] for i in rows])
 
@@ -160,3 +162,12 @@ class GenerationPhase:
         result.metrics.update(dynamic_sampling_rounds=float(rounds),
                               dynamic_sampling_kept_fraction=min(n_kept, wanted) / wanted)
         return result
+
+
+def decode_responses(tokenizer: Any, sequences: torch.Tensor, action_mask: torch.Tensor, prompt_length: int) -> list[str]:
+    """Each row's response tokens (where `action_mask` holds, all from column `prompt_length` on)
+    decoded without special tokens and stripped. The response columns move to the host once: a
+    boolean index of each device row would read it back row by row."""
+    ids, actions = sequences[:, prompt_length:].cpu(), action_mask[:, prompt_length:].cpu()
+    decoded = tokenizer.batch_decode([row[keep] for row, keep in zip(ids, actions)], skip_special_tokens=True)
+    return [text.strip() for text in decoded]

@@ -343,6 +343,7 @@ LossAggregation = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean
 KLPlacement = Literal["auto", "reward", "loss"]
 ImportanceRatio = Literal["token", "sequence"]
 KVCacheDtype = Literal["auto", "model", "fp16"]  # engine/sampling.py's KV_CACHE_DTYPES
+RolloutIS = Literal["auto", "truncate", "mask", "off"]  # rlhf/algorithms/ppo_math.py's ROLLOUT_IS_MODES + auto
 
 
 @dataclass
@@ -482,9 +483,15 @@ class PPOConfig(RunConfig):
     micro-batch's loss is weighted by its share of the minibatch's tokens (rows for sequence-level losses),
     so the step equals one over the whole minibatch. 0: --micro-batch-size rows.
     """
-    recompute_old_logprobs: bool = False
-    """Run the actor over the rollouts for PPO's old log-probs instead of taking the ones generation computed (one
-    forward pass more per iteration)."""
+    recompute_old_logprobs: bool | None = None
+    """Old log-probs from an actor forward over the rollouts, not generation's (one forward more); unset: on in bf16/fp16
+    and with --rollout-is truncate/mask.
+
+    Unset, fp32 takes generation's log-probs while they stay within --old-logprob-tolerance of the training
+    forward's, and recomputes them from the iteration after they do not. An on-policy update (one epoch
+    over one minibatch, no KL in the reward) runs no separate forward either way: its old log-probs are the
+    trained forward's own, detached.
+    """
     old_logprob_tolerance: float | None = bounded(None, ge=0)
     """Max |difference| between generation's log-probs and the training forward's before PPO recomputes them for the
     rest of the run; unset: by dtype.
@@ -492,6 +499,23 @@ class PPOConfig(RunConfig):
     The difference is measured every iteration and logged as old_logprob_diff_max/mean. The default is
     1e-3 in fp32, 0.05 in fp32 with a float16 KV cache (--kv-cache-dtype auto or fp16 on the CPU), and
     0.15 in bf16/fp16.
+    """
+    rollout_is: RolloutIS = "auto"
+    """Correct the rollout/training log-prob mismatch per token: truncate (TIS), mask (MIS) or off; auto: truncate in
+    bf16/fp16, off in fp32.
+
+    w = exp(old log-prob - generation's log-prob) per response token, the old log-probs the training
+    forward's. truncate: each token's policy loss x min(w, cap) (Yao et al. 2025; TRL's
+    vllm_importance_sampling_correction). mask: tokens with w outside [1/cap, cap] leave the policy loss
+    and its normaliser, the rest are weighted by w (verl's rollout_is mask mode). truncate and mask make the
+    old log-probs the training forward's (--recompute-old-logprobs). Logged as rollout_is_ratio_mean/max
+    and rollout_is_truncated_fraction or rollout_is_masked_fraction.
+    """
+    rollout_is_cap: float = bounded(2.0, gt=1)
+    """The cap of --rollout-is: truncate caps w at it, mask drops the tokens whose w is outside [1/cap, cap].
+
+    2 is verl's rollout_is_threshold default (its mask mode's lower bound 1/threshold) and TRL's
+    vllm_importance_sampling_cap for its token-level TIS (TRL's later sequence-level modes default to 3).
     """
     max_prompt_len: int = bounded(256, ge=1)
     """Prompts longer than this many tokens are dropped and counted."""
@@ -594,6 +618,10 @@ class PPOConfig(RunConfig):
                             f"({self.max_new_tokens})")
         if self.reward_weights and any(w < 0 for w in self.reward_weights):
             raise UserError(f"{where}: reward_weights: {self.reward_weights} must be >= 0")
+        if self.rollout_is in ("truncate", "mask") and self.recompute_old_logprobs is False:
+            raise UserError(f"{where}: rollout_is: {self.rollout_is} weighs generation's log-probs against the "
+                            "training forward's, so it recomputes the old log-probs: drop recompute_old_logprobs: "
+                            "false (--no-recompute-old-logprobs), or set rollout_is: off")
         if self.engine.offload and 0 in (self.actor_zero_stage, self.critic_zero_stage):
             raise UserError(f"{where}: offload: true must be used with actor_zero_stage and critic_zero_stage "
                             "1, 2 or 3 (zero_stage 0 shards nothing to offload)")
@@ -628,6 +656,21 @@ class PPOConfig(RunConfig):
         if default == "token-mean" and self.importance_ratio == "sequence":
             return "seq-mean-token-mean"
         return default
+
+    def recomputes_old_logprobs(self, dtype: str) -> bool:
+        """--recompute-old-logprobs with unset resolved for the engine's resolved dtype (fp32, bf16, fp16):
+        on in 16-bit (generation's log-probs are a 16-bit forward's of their own) and with --rollout-is
+        truncate or mask (whose weight compares the two)."""
+        if self.recompute_old_logprobs is not None:
+            return self.recompute_old_logprobs
+        return dtype != "fp32" or self.rollout_is in ("truncate", "mask")
+
+    def rollout_is_mode(self, dtype: str) -> str:
+        """--rollout-is with auto resolved for the engine's resolved dtype: truncate in 16-bit where the old
+        log-probs are the training forward's, else off (in fp32 w is 1 up to rounding)."""
+        if self.rollout_is != "auto":
+            return self.rollout_is
+        return "truncate" if dtype != "fp32" and self.recompute_old_logprobs is not False else "off"
 
     @property
     def clip_bounds(self) -> tuple[float, float]:

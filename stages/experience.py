@@ -32,6 +32,7 @@ class Experience:
     returns: torch.Tensor  # [B, T-1]
     scores: torch.Tensor  # [B] raw scores (before normalisation and clipping)
     kl: torch.Tensor  # [B, T-1]
+    rollout_logprobs: torch.Tensor | None = None  # [B, T-1] generation's, for --rollout-is; None: no correction
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -83,6 +84,7 @@ def build_experience(
     whiten_advantages: bool,
     reward_clip: float | None = None,
     all_reduce: SumReducer | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
 ) -> Experience:
     """Rewards (KL penalty + `scores` on the last response token) and advantages.
 
@@ -93,7 +95,8 @@ def build_experience(
     goes into the loss instead passes kl_coef 0 here, and then `old_logprobs` may be None (an
     on-policy update reads the trained forward's own log-probs; `kl` is then 0 here and measured
     in the update). Advantages are whitened over the masked
-    tokens of every rank (`all_reduce`) when `whiten_advantages`.
+    tokens of every rank (`all_reduce`) when `whiten_advantages`. `rollout_logprobs` [B, T-1]
+    (generation's, aligned as the log-probs) are kept for the update's rollout importance weights.
     """
     mask = action_mask_full[:, 1:].bool()
     if old_logprobs is None and kl_coef:
@@ -110,7 +113,7 @@ def build_experience(
     if whiten_advantages:
         advantages = masked_whiten(advantages, mask, all_reduce=all_reduce)
     return Experience(sequences, attention_mask, mask, old_logprobs, ref_logprobs, values, rewards,
-                      advantages, returns, raw_scores, kl)
+                      advantages, returns, raw_scores, kl, rollout_logprobs)
 
 
 def mean_kl_per_sequence(exp: Experience) -> torch.Tensor:
@@ -125,22 +128,25 @@ __all__ = ["Experience", "build_experience", "mean_kl_per_sequence", "shaped_sco
 class LogprobDrift:
     """How far the experience's old log-probs (generation's, when PPO does not recompute them) are
     from the training forward's before any optimizer step, over response tokens: what taking
-    them from generation costs in accuracy. Accumulated per micro-batch, reset every iteration."""
+    them from generation costs in accuracy. Accumulated per micro-batch as device tensors (no host
+    read in the micro-step), reset every iteration."""
 
-    max: float = 0.0
-    total: float = 0.0
-    count: float = 0.0
+    max: torch.Tensor | float = 0.0
+    total: torch.Tensor | float = 0.0
+    count: torch.Tensor | float = 0.0
 
     def add(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
         mask = mask.bool()
-        diff = torch.where(mask, (logprobs.float() - old_logprobs.float()).abs(), 0.0)
-        self.max = max(self.max, float(diff.max()) if diff.numel() else 0.0)
-        self.total += float(diff.sum())
-        self.count += float(mask.sum())
+        diff = torch.where(mask, (logprobs.detach().float() - old_logprobs.float()).abs(), 0.0).double()
+        most = diff.amax() if diff.numel() else diff.new_zeros(())
+        self.max = torch.maximum(torch.as_tensor(self.max, dtype=torch.float64, device=diff.device), most)
+        self.total = self.total + diff.sum()
+        self.count = self.count + mask.sum().double()
 
     def global_metrics(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                        all_reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """old_logprob_diff_max / _mean over all ranks (every rank must call it)."""
-        sums = all_reduce_sum(torch.tensor([self.total, self.count], dtype=torch.float64))
-        return {"old_logprob_diff_max": float(all_reduce_max(torch.tensor(self.max, dtype=torch.float64))),
-                "old_logprob_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0)}
+        sums = all_reduce_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu()
+                                           for v in (self.total, self.count)]))
+        most = all_reduce_max(torch.as_tensor(self.max, dtype=torch.float64).cpu())
+        return {"old_logprob_diff_max": float(most), "old_logprob_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0)}

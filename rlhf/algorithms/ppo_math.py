@@ -19,7 +19,9 @@ penalty and the adaptive KL coefficient; DeepSpeed-Chat (`ppo_trainer.py`) and T
 (`core_algos.py`) for GAE that skips masked positions; J. Schulman, "Approximating KL
 divergence" (2020) for the k1/k2/k3 estimators; DAPO (Yu et al. 2025) for clip-higher, GSPO
 (Zheng et al. 2025) for the sequence-level ratio, Dr. GRPO (Liu et al. 2025) for the constant
-loss normaliser, GRPO (Shao et al. 2024) for KL as a loss term.
+loss normaliser, GRPO (Shao et al. 2024) for KL as a loss term; Yao et al. 2025 ("Your Efficient
+RL Framework Secretly Brings You Off-Policy RL Training") for truncated importance sampling of the
+rollout/training mismatch, and verl's rollout importance sampling for its masked variant.
 """
 
 from __future__ import annotations
@@ -229,6 +231,52 @@ def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     return log_seq_ratio + logprobs - logprobs.detach()
 
 
+ROLLOUT_IS_MODES = ("truncate", "mask", "off")
+"""How the rollout/training mismatch weight corrects the policy loss (`rollout_is_correction`)."""
+
+ROLLOUT_IS_LOG_BOUND = 20.0
+"""|log w| is clamped to this before exp (verl's SAFETY_BOUND): a token whose two log-probs differ by
+more still counts as far out of bounds, and its weight stays finite."""
+
+
+def rollout_is_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token weight w = exp(old_logp - rollout_logp) [B, T], float32, detached: the training
+    forward's probability of each sampled token over the rollout engine's (which sampled it);
+    1 outside the mask. The log-ratio is clamped to +-ROLLOUT_IS_LOG_BOUND."""
+    with torch.no_grad():
+        log_ratio = old_logprobs.to(torch.float32) - rollout_logprobs.to(torch.float32)
+        ratio = torch.exp(log_ratio.clamp(-ROLLOUT_IS_LOG_BOUND, ROLLOUT_IS_LOG_BOUND))
+        return torch.where(mask.bool(), ratio, torch.ones_like(ratio))
+
+
+def rollout_is_correction(ratio: Tensor, mask: Tensor, mode: str, cap: float) -> tuple[Tensor | None, Tensor, Tensor]:
+    """(per-token loss weights or None, the policy loss's mask, the tokens the cap acted on) for
+    the rollout weights `ratio` (`rollout_is_ratio`) over `mask`.
+
+    - "truncate" (TIS, Yao et al. 2025; TRL's vllm_importance_sampling_correction, verl's
+      rollout_is truncate): every response token's loss is multiplied by min(w, cap); the tokens
+      the cap acted on are those with w > cap. The mask is unchanged.
+    - "mask" (MIS, verl's rollout_is mask mode): tokens with w outside [1/cap, cap] leave the
+      policy loss's mask (so the aggregation's normaliser no longer counts them, as verl's
+      modified response mask); the kept ones are weighted by w.
+    - "off": no weights, the mask unchanged, nothing acted on.
+    Every output is detached and 0 (False) outside `mask`.
+    """
+    mask = mask.bool()
+    if mode == "off":
+        return None, mask, torch.zeros_like(mask)
+    if cap <= 1:
+        raise ValueError(f"the rollout importance-sampling cap must be > 1, got {cap}")
+    ratio = ratio.detach().to(torch.float32)
+    if mode == "truncate":
+        return ratio.clamp(max=cap) * mask, mask, mask & (ratio > cap)
+    if mode == "mask":
+        outside = mask & ((ratio > cap) | (ratio < 1.0 / cap))
+        kept = mask & ~outside
+        return ratio * kept, kept, outside
+    raise ValueError(f"unknown rollout importance sampling {mode!r}; expected one of {', '.join(ROLLOUT_IS_MODES)}")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -240,6 +288,7 @@ def policy_loss(
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     ratio_level: str = "token",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PPO clipped surrogate loss (Schulman et al. 2017), aggregated over the mask.
 
@@ -251,6 +300,9 @@ def policy_loss(
     - `aggregation`/`normalizer`: see `aggregate_loss` (default: token mean).
     - `ratio_level="sequence"`: GSPO's sequence-level ratio (see `gspo_log_ratio`),
       clipped like the token one; verl's `compute_policy_loss_gspo`.
+    - `token_weights` [B, T] (detached): each token's clipped surrogate is multiplied by its
+      weight before aggregation (the rollout importance weights of `rollout_is_correction`, as
+      TRL's and verl's TIS multiply the per-token loss).
     Also returns, detached and as token means over the mask: clipfrac (share of tokens where the
     clipped term is the active one) and approx_kl = mean(0.5 * (logp - old_logp)**2) (TRL's
     `approxkl`, from the token log-ratios whatever `ratio_level`).
@@ -267,7 +319,10 @@ def policy_loss(
     advantages = advantages.to(torch.float32)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation, normalizer)
+    per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(torch.float32)
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(torch.float32), mask)
         approx_kl = masked_mean(0.5 * log_ratio.square(), mask)

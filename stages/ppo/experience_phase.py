@@ -43,7 +43,7 @@ class ExperiencePhase:
         old_logprobs = None
         self.ran_old_logprob_forward = False
         if not self.on_policy_update:
-            if self.recompute_old_logprobs or rollouts.logprobs is None:
+            if self.recompute_old_logprobs or self.rollout_is != "off" or rollouts.logprobs is None:
                 old_logprobs = forward_in_micro_batches(
                     lambda s, m, lo: self.policy_forward(s, m, max(start - lo, 0), share)[0], seq, attn, micro,
                     sort=not share)
@@ -142,10 +142,13 @@ class ExperiencePhase:
         config = self.config
         old_logprobs, ref_logprobs, values = self.score_policy(rollouts)
         scores = self.baselined_scores(rollouts.scores) if config.critic_free else rollouts.scores
+        rollout_logprobs = None  # generation's, aligned as the forward's, for the rollout importance weights
+        if self.rollout_is != "off" and rollouts.logprobs is not None:
+            rollout_logprobs = rollouts.logprobs[:, 1:] * rollouts.action_mask[:, 1:]
         return build_experience(
             rollouts.sequences, rollouts.attention_mask, rollouts.action_mask, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, values_full=values, raw_scores=rollouts.raw_scores, scores=scores,
             kl_coef=0.0 if config.kl_in_loss else self.kl_ctl.value, kl_kind=config.kl_kind, gamma=config.gamma,
             lam=config.lam, whiten_advantages=config.whiten_advantages and config.estimator.whitens_advantages,
-            all_reduce=self.ctx.all_reduce_sum,
+            all_reduce=self.ctx.all_reduce_sum, rollout_logprobs=rollout_logprobs,
         )

@@ -82,7 +82,14 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
         self.memory = PhaseMemory(ctx.device)  # peak_mem_gb_<phase> per iteration (engine/phase_memory.py)
         self.critic_seconds = 0.0
         self.policy_kl_sum = 0.0
-        self.recompute_old_logprobs = config.recompute_old_logprobs
+        # Unset, by the actor's dtype: 16-bit recomputes the old log-probs and truncates the rollout weights.
+        self.recompute_old_logprobs = config.recomputes_old_logprobs(self.actor.dtype)
+        self.rollout_is = config.rollout_is_mode(self.actor.dtype)
+        old = ("the trained forward's own (on-policy update)" if self.on_policy_update
+               else "recomputed by the actor" if self.recompute_old_logprobs
+               else "generation's while within --old-logprob-tolerance")
+        log.info("ppo: %s actor: old log-probs %s; rollout importance sampling %s", self.actor.dtype, old,
+                 self.rollout_is if self.rollout_is == "off" else f"{self.rollout_is} (cap {config.rollout_is_cap:g})")
         halved = backend_for(ctx.device).rounds_kv_cache(config.kv_cache_dtype, COMPUTE_DTYPES[self.actor.dtype],
                                                          self.actor.model.config.model_type)
         default_tolerance = default_parity_tolerance(self.actor.dtype, halved)

@@ -1,15 +1,25 @@
-"""PPO's third phase: ppo_epochs of clipped policy (and value) updates over minibatches, then the KL controller."""
+"""PPO's third phase: ppo_epochs of clipped policy (and value) updates over minibatches, then the KL controller.
+
+A micro-step reads nothing back to the host: its metrics stay device tensors, summed over the
+iteration's micro-steps and read once, after the last optimizer step, in one all-reduce
+(`UpdateMetrics`). The host reads that remain per micro-batch are the layout's (the columns a
+micro-batch trims to and where its responses start), taken before its micro-step.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from functools import partial
 
 import torch
 
 from rlhf.algorithms.losses import sft_loss_sum
-from rlhf.algorithms.ppo_math import kl_estimate, kl_loss, masked_mean, policy_loss, value_loss
+from rlhf.algorithms.ppo_math import (
+    kl_estimate, kl_loss, masked_mean, policy_loss, rollout_is_correction, rollout_is_ratio, value_loss,
+)
 from rlhf.data.batching import collate_sft
+from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import micro_batch_slices
 from rlhf.engine.micro_batches import micro_batch_weights, token_budget_micro_batches
 from rlhf.engine.packing import packed_micro_batches, packing_unsupported_reason
@@ -20,6 +30,47 @@ from rlhf.stages.ppo.parts import MicroWeight, experience_response_start
 # Per-micro-batch metrics (averaged over micro-batches); the rest of `update`'s sums are per step.
 PER_MICRO_METRICS = ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "entropy", "ptx_loss",
                      "kl_loss")
+# The rollout importance weights' token sums (`rollout_is_sums`): ratios of them are logged, not means over steps.
+ROLLOUT_IS_SUMS = ("rollout_is_ratio_sum", "rollout_is_capped", "rollout_is_tokens")
+# Kept as the maximum over micro-steps and ranks, not summed.
+MAX_METRICS = ("rollout_is_ratio_max",)
+
+
+class UpdateMetrics:
+    """An update's metrics while it runs: device tensors summed (or, for MAX_METRICS, maxed) over
+    micro-steps with no host read, host floats (the engines' grad norms) summed beside them."""
+
+    def __init__(self) -> None:
+        self.device_sums: dict[str, torch.Tensor] = {}
+        self.host_sums: dict[str, float] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+
+    def add(self, values: Mapping[str, torch.Tensor | float]) -> None:
+        for key, value in values.items():
+            if key in MAX_METRICS:
+                held = self.maxima.get(key)
+                self.maxima[key] = value.detach() if held is None else torch.maximum(held, value.detach())
+            elif torch.is_tensor(value):
+                value = value.detach().to(torch.float64)
+                self.device_sums[key] = value if key not in self.device_sums else self.device_sums[key] + value
+            else:
+                self.host_sums[key] = self.host_sums.get(key, 0.0) + value
+
+    def all_reduced(self, ctx: DistributedContext) -> tuple[dict[str, float], dict[str, float]]:
+        """(sums over every rank, maxima over every rank) in one all-reduce and one host read: each
+        rank writes its maxima into a slot of its own, so the sum of the slots holds every rank's."""
+        device_keys, host_keys, max_keys = sorted(self.device_sums), sorted(self.host_sums), sorted(self.maxima)
+        slots = torch.zeros(ctx.world_size, len(max_keys), dtype=torch.float64, device=ctx.device)
+        if max_keys:
+            slots[ctx.rank] = torch.stack([self.maxima[k].to(ctx.device, torch.float64) for k in max_keys])
+        parts = [torch.stack([self.device_sums[k].to(ctx.device) for k in device_keys])] if device_keys else []
+        parts.append(torch.tensor([self.host_sums[k] for k in host_keys], dtype=torch.float64, device=ctx.device))
+        parts.append(slots.flatten())
+        total = ctx.all_reduce_sum(torch.cat(parts)).tolist()
+        sums = dict(zip(device_keys + host_keys, total))
+        rank_maxima = [total[len(sums) + r * len(max_keys):len(sums) + (r + 1) * len(max_keys)]
+                       for r in range(ctx.world_size)]
+        return sums, {k: max(row[i] for row in rank_maxima) for i, k in enumerate(max_keys)}
 
 
 class UpdatePhase:
@@ -31,12 +82,12 @@ class UpdatePhase:
     def update(self, exp: Experience, iteration: int) -> dict[str, float]:
         """ppo_epochs passes over the experience in minibatches (one optimizer step of the actor, and
         of the critic when there is one, each), micro-batch by micro-batch; returns the mean losses
-        over all ranks."""
+        over all ranks (and the rollout importance weights' statistics, `rollout_is_metrics`)."""
         config, micro = self.config, self.config.engine.micro_batch_size
         per_rank_minibatch = config.engine.train_batch_size // self.ctx.world_size
         for engine in self.engines.values():
             engine.train()
-        sums: dict[str, float] = {}
+        metrics = UpdateMetrics()
         micro_steps = optimizer_steps = self.optimizer_steps_this_iteration = 0
         for ppo_epoch in range(config.ppo_epochs):
             order = seeded_permutation(len(exp), derive_seed(self.seed, "ppo_minibatches", iteration, ppo_epoch))
@@ -49,21 +100,32 @@ class UpdatePhase:
                 for rows, weight in zip(parts, weights):
                     part = exp.select(rows).trimmed()
                     ptx_seed = derive_seed(self.seed, "ptx", iteration, micro_steps, self.ctx.rank)
-                    for k, v in self.micro_step(part, ptx_seed, rows, weight).items():
-                        sums[k] = sums.get(k, 0.0) + v
+                    start = experience_response_start(part.action_mask)  # the layout's host read, before the step
+                    metrics.add(self.micro_step(part, ptx_seed, rows, weight, start))
                     micro_steps += 1
                 for name, engine in self.engines.items():
                     started = time.perf_counter()
                     step = engine.step()
-                    sums[f"{name}_grad_norm"] = sums.get(f"{name}_grad_norm", 0.0) + step.grad_norm
+                    metrics.add({f"{name}_grad_norm": step.grad_norm})
                     if name == "critic":
                         self.critic_seconds += time.perf_counter() - started
                 optimizer_steps = self.optimizer_steps_this_iteration = optimizer_steps + 1
-        keys = sorted(sums)
-        local = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        reduced = self.ctx.all_reduce_sum(local) / self.ctx.world_size
-        return {k: v / max(micro_steps if k in PER_MICRO_METRICS else optimizer_steps, 1)
-                for k, v in zip(keys, reduced.tolist())}
+        sums, maxima = metrics.all_reduced(self.ctx)
+        world = self.ctx.world_size
+        means = {k: v / world / max(micro_steps if k in PER_MICRO_METRICS else optimizer_steps, 1)
+                 for k, v in sums.items() if k not in ROLLOUT_IS_SUMS}
+        return {**means, **self.rollout_is_metrics(sums, maxima)}
+
+    def rollout_is_metrics(self, sums: Mapping[str, float], maxima: Mapping[str, float]) -> dict[str, float]:
+        """rollout_is_ratio_mean/_max over every rank's response tokens and the share of them the cap
+        truncated (rollout_is_truncated_fraction) or masked (rollout_is_masked_fraction); {} when
+        --rollout-is is off."""
+        if "rollout_is_tokens" not in sums:
+            return {}
+        tokens = max(sums["rollout_is_tokens"], 1.0)
+        share = "rollout_is_truncated_fraction" if self.rollout_is == "truncate" else "rollout_is_masked_fraction"
+        return {"rollout_is_ratio_mean": sums["rollout_is_ratio_sum"] / tokens,
+                "rollout_is_ratio_max": maxima["rollout_is_ratio_max"], share: sums["rollout_is_capped"] / tokens}
 
     def micro_batches(self, exp: Experience, minibatch: torch.Tensor,
                       micro: int) -> tuple[list[torch.Tensor], list[MicroWeight]]:
@@ -93,14 +155,16 @@ class UpdatePhase:
                                                          micro_batch_weights(sizes, totals[1], world))]
 
     def micro_step(self, exp: Experience, ptx_seed: int, rows: torch.Tensor,
-                   weight: MicroWeight = MicroWeight(1.0, 1.0)) -> dict[str, float]:
+                   weight: MicroWeight = MicroWeight(1.0, 1.0), start: int | None = None) -> dict[str, torch.Tensor]:
         """Forward/backward of one micro-batch through the actor (policy loss, KL loss term, entropy
-        bonus, PTX) and the critic (value loss), each term's mean weighted as `weight` says."""
+        bonus, PTX) and the critic (value loss), each term's mean weighted as `weight` says; its
+        responses start at column `start` (None: found here, a host read). Returns the metrics as
+        device tensors (nothing is read back to the host)."""
         # The critic first: a kept values graph (`keeps_critic_forward`) is freed before the actor's forward.
-        metrics = self.critic_micro_step(exp, rows, weight.tokens) if self.critic is not None else {}
+        start = experience_response_start(exp.action_mask) if start is None else start
+        metrics = self.critic_micro_step(exp, rows, weight.tokens, start) if self.critic is not None else {}
         config, actor = self.config, self.actor
         aggregation, normalizer = config.loss_aggregation_mode, float(config.max_new_tokens)
-        start = experience_response_start(exp.action_mask)
         logprobs, entropy = self.policy_forward(exp.sequences, exp.attention_mask, start, self.shares_prompts,
                                                 with_entropy=True)
         low, high = config.clip_bounds
@@ -110,43 +174,53 @@ class UpdatePhase:
         if old_logprobs is None:  # on-policy: the rollout policy is this forward's (ratio 1, gradient kept)
             old_logprobs = logprobs.detach()
             kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
-            self.policy_kl_sum += float(kl.sum())
-        p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, exp.action_mask, low,
+            self.policy_kl_sum = self.policy_kl_sum + kl.sum().double()
+        loss_mask, token_weights = exp.action_mask, None
+        if self.rollout_is != "off" and exp.rollout_logprobs is not None:
+            ratio = rollout_is_ratio(old_logprobs, exp.rollout_logprobs, exp.action_mask)
+            token_weights, loss_mask, capped = rollout_is_correction(ratio, exp.action_mask, self.rollout_is,
+                                                                     config.rollout_is_cap)
+            metrics.update(rollout_is_sums(ratio, capped, exp.action_mask))
+        p_loss, clipfrac, approx_kl = policy_loss(logprobs, old_logprobs, exp.advantages, loss_mask, low,
                                                   high, aggregation=aggregation, normalizer=normalizer,
-                                                  ratio_level=config.importance_ratio)
+                                                  ratio_level=config.importance_ratio, token_weights=token_weights)
         per_sample = weight.tokens if aggregation == "token-mean" else weight.rows
         loss = per_sample * p_loss
-        metrics.update(clipfrac=float(clipfrac), approx_kl=float(approx_kl))
+        metrics.update(clipfrac=clipfrac, approx_kl=approx_kl)
         if config.kl_in_loss:
             kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
             loss = loss + per_sample * self.kl_ctl.value * kl_term
-            metrics["kl_loss"] = float(kl_term.detach())
+            metrics["kl_loss"] = kl_term.detach()
         entropy = masked_mean(entropy, exp.action_mask)
         if config.entropy_coef > 0:
             loss = loss - weight.tokens * config.entropy_coef * entropy
         if self.ptx_rows:
             ptx = self.ptx_loss(len(exp), ptx_seed, logprobs.device)
             loss = loss + weight.rows * config.ptx_coef * ptx
-            metrics["ptx_loss"] = float(ptx.detach())
+            metrics["ptx_loss"] = ptx.detach()
         actor.backward(loss)
-        metrics.update(policy_loss=float(p_loss.detach()), entropy=float(entropy.detach()))
+        metrics.update(policy_loss=p_loss.detach(), entropy=entropy.detach())
         return metrics
 
-    def critic_micro_step(self, exp: Experience, rows: torch.Tensor, weight: float = 1.0) -> dict[str, float]:
-        """The critic's clipped value loss on one micro-batch (the experience's `rows`, trimmed),
-        forward and backward; the forward is the experience pass's kept one when there is one."""
+    def critic_micro_step(self, exp: Experience, rows: torch.Tensor, weight: float = 1.0,
+                          start: int | None = None) -> dict[str, torch.Tensor]:
+        """The critic's clipped value loss on one micro-batch (the experience's `rows`, trimmed; its
+        responses from column `start`), forward and backward; the forward is the experience pass's
+        kept one when there is one. Returns the metrics as device tensors."""
         started = time.perf_counter()
         kept, self.kept_values = self.kept_values, None
         if kept is not None and kept.shape[1] == exp.sequences.shape[1] and kept.shape[0] == len(rows):
             values = kept.index_select(0, rows.to(kept.device))[:, :-1]
         else:
-            share = experience_response_start(exp.action_mask) if self.shares_prompts else 0
+            if start is None:
+                start = experience_response_start(exp.action_mask)
+            share = start if self.shares_prompts else 0
             values = self.critic_forward(exp.sequences, exp.attention_mask, share)[:, :-1]
         v_loss, v_clipfrac = value_loss(values, exp.old_values, exp.returns, exp.action_mask,
                                         self.config.clip_range_value)
         self.critic.backward(weight * v_loss)
         self.critic_seconds += time.perf_counter() - started
-        return {"value_loss": float(v_loss.detach()), "value_clipfrac": float(v_clipfrac)}
+        return {"value_loss": v_loss.detach(), "value_clipfrac": v_clipfrac}
 
     def ptx_loss(self, n: int, seed: int, device: torch.device) -> torch.Tensor:
         """InstructGPT's PPO-ptx term: the actor's token-mean LM loss on n seeded picks of --ptx-data."""
@@ -166,3 +240,13 @@ class UpdatePhase:
             kl = float(self.ctx.all_reduce_sum(mean_kl_per_sequence(exp).detach().double())) / self.ctx.world_size
         self.kl_ctl.update(kl, self.experience_size)
         return kl
+
+
+def rollout_is_sums(ratio: torch.Tensor, capped: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One micro-batch's rollout importance weights as device sums (ROLLOUT_IS_SUMS) and their maximum
+    over its response tokens (`UpdateMetrics` adds them up; `rollout_is_metrics` divides)."""
+    mask = mask.bool()
+    return {"rollout_is_ratio_sum": (ratio.double() * mask).sum(), "rollout_is_capped": capped.double().sum(),
+            "rollout_is_tokens": mask.double().sum(),
+            "rollout_is_ratio_max": torch.where(mask, ratio, 0.0).amax().double() if mask.numel() else
+            ratio.new_zeros((), dtype=torch.float64)}

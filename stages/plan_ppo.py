@@ -192,7 +192,7 @@ def experience_phase(config: PPOConfig, models: PPOModels, shapes: PPOShapes, s:
             **held, "actor gathered": actor.gathered_in_forward(),
             "ref working set": working_set_bytes(actor.shape, ref_tokens, s.compute)},
             "ref head": {**held, "ref head": ref_logits}}
-    if config.recompute_old_logprobs:
+    if config.recomputes_old_logprobs(s.dtype):  # by dtype when unset (16-bit: recomputed)
         moments["old log-probs"] = {**held, "actor gathered": actor.gathered_in_forward(),
                                     "working set": working_set_bytes(actor.shape, micro_tokens, s.compute),
                                     "logits": logits}

@@ -316,8 +316,9 @@ def hf_summary(results: dict[str, dict[str, float]], args: argparse.Namespace) -
     ours_r, hf_r = results["ours"], results.get("hf")
     ratio = ours_r["tokens_per_s"] / hf_r["tokens_per_s"] if hf_r else None
     decode_ratio = hf_r["step_s"] / ours_r["step_s"] if hf_r and ours_r["step_s"] > 0 else None
-    if hf_r:
-        print(f"ours / HF: {ratio:.2f}x end to end, {decode_ratio:.2f}x per decode step")
+    if hf_r:  # decode_ratio is None where our decode time rounds to zero (a few new tokens)
+        per_step = f", {decode_ratio:.2f}x per decode step" if decode_ratio else ""
+        print(f"ours / HF: {ratio:.2f}x end to end{per_step}")
     return {
         "bench": "generation",
         "ours_tokens_per_s": round(ours_r["tokens_per_s"], 2),

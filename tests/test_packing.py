@@ -33,7 +33,8 @@ def grads(module: torch.nn.Module) -> list[torch.Tensor]:
 def assert_grads(module: torch.nn.Module, want: list[torch.Tensor]) -> None:
     """Every parameter's gradient is `want`'s (the padded forward's) up to rounding."""
     for p, g in zip(module.parameters(), want, strict=True):
-        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+        # 3e-5: a gradient summed over a pack's tokens in another order (1.6e-5 seen on an AVX2-only CPU).
+        torch.testing.assert_close(p.grad, g, atol=3e-5, rtol=1e-4)
 
 
 def scored_positions(mask: torch.Tensor) -> torch.Tensor:

@@ -317,6 +317,7 @@ def test_update_metrics_sum_and_max_over_ranks_in_one_all_reduce() -> None:
     assert maxima == {"rollout_is_ratio_max": 3.0}
 
 
+@pytest.mark.slow  # a real 2-rank gloo run; the fake two-rank reduction above runs by default
 @pytest.mark.usefixtures("cpu_only")
 def test_two_ranks_log_the_rollout_weights_over_both(tiny_model_dirs, prompts, tmp_path) -> None:
     out = tmp_path / "two"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import sys
 import warnings
 from collections.abc import Iterator
@@ -21,7 +20,8 @@ from rlhf.errors import UserError
 from rlhf.models.tiny import build_char_tokenizer
 from rlhf.stages.ppo import update_phase
 from rlhf.stages.ppo.generation_phase import decode_responses
-from tests.conftest import read_metrics, run_cli, write_jsonl
+from tests.conftest import read_metrics, run_cli
+from tests.test_rollout_logprobs import prompts  # noqa: F401, F811 (the same prompts and vowel reward)
 
 # ---------------------------------------------------------------- the weights, by hand
 
@@ -179,14 +179,6 @@ def guarded_micro_steps(monkeypatch) -> list[int]:
     return steps
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("rollout_is")
-    rng = random.Random(0)
-    rows = [{"prompt": "".join(rng.choice("bcdefgh") for _ in range(rng.randint(3, 8)))} for _ in range(64)]
-    (folder / "vowels.py").write_text("def vowels(prompt, response):\n"
-                                      "    return sum(c in 'aeiou' for c in response) / max(1, len(response))\n")
-    return write_jsonl(folder / "prompts.jsonl", rows)
 
 
 def _ppo(model: Path, prompts: Path, out: Path, *extra: str, critic: bool = True) -> list[dict]:

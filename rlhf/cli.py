@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import click
 
-from rlhf import __version__
+from rlhf import __version__, curves
 from rlhf.config import (
     RENAMED_FIELDS, DataConfig, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields, read_config_file,
 )
@@ -326,10 +326,20 @@ def _register_stages() -> None:
         chat(model_dir, prompt, max_new_tokens, temperature, top_p, seed)
 
     @cli.command("report")
+    @click.argument("run_dir", required=False)
     @click.option("--build", is_flag=True, help="First build every csrc op for this machine (into the op cache; "
                   "for a container image), one line per op; exit code 1 if one fails.")
-    def report_command(build: bool) -> None:
-        """Versions and which csrc ops are built (like DeepSpeed's ds_report)."""
+    @click.option("--json", "as_json", is_flag=True, help="With RUN_DIR: one JSON object per row instead of the table.")
+    def report_command(run_dir: str | None, build: bool, as_json: bool) -> None:
+        """Versions and which csrc ops are built (like DeepSpeed's ds_report); with RUN_DIR (ppo or e2e
+        --output), its learning curve."""
+        if run_dir is not None:
+            if build:
+                raise UserError("rlhf report: --build reports the ops, RUN_DIR a run's learning curve: pass one")
+            print_curve_report(run_dir, as_json)
+            return
+        if as_json:
+            raise UserError("rlhf report --json: prints a run's learning curve: pass its RUN_DIR too")
         from rlhf.report import build_ops, print_report  # torch: loaded by a command that runs only
 
         if build and not build_ops():
@@ -337,6 +347,32 @@ def _register_stages() -> None:
                        "PyTorch reference", err=True)
             sys.exit(1)
         print_report()
+
+
+def print_curve_report(run_dir: str, as_json: bool) -> None:
+    """`rlhf report RUN_DIR`: the RL stage's learning curve (rlhf/curves.py), a table or JSON lines,
+    and the curves.png beside it if there is one."""
+    stage, note = curves.find_rl_stage(run_dir)
+    learning = curves.learning_curves(stage)
+    if learning.is_empty:
+        raise UserError(f"{learning.metrics_path}: no {curves.REWARD} or {curves.EVAL_PREFIX}* metrics (not an RL "
+                        "stage's); pass a ppo --output folder or an e2e run folder")
+    rows = curves.curve_table(learning)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if note:
+        click.echo(note)
+    for line in curves.format_table(rows):
+        click.echo(line)
+    if learning.eval_names:
+        click.echo("-: not logged at that step (in an eval/ column: no held-out evaluation ran there)")
+    if learning.seconds_source not in (None, curves.ELAPSED):
+        click.echo(f"seconds: the running sum of {', '.join(curves.PHASE_SECONDS)} (no elapsed_s in this file)")
+    png = stage / curves.CURVES_PNG
+    if png.is_file():
+        click.echo(f"curves: {png}")
 
 
 @cli.group("models")

@@ -3,6 +3,9 @@ verdict on every device it has been loaded on (engine/ops.py).
 
 `rlhf report --build` first builds every op for this machine (into the op cache, for a container
 image or before a job), one progress line per op, and exits non-zero when one fails.
+
+`rlhf report RUN_DIR` prints a run's learning curve instead (rlhf/curves.py), without this module
+or torch.
 """
 
 from __future__ import annotations

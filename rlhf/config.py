@@ -145,11 +145,11 @@ class DataConfig:
     {"train": [...], "test": [...]}.
     """
     data_test_split: str | None = None
-    """A split of each --data dataset to evaluate on (e.g. test_prefs): the eval set instead of eval_split; sft and
-    reward only.
+    """A split of each --data dataset to evaluate on (e.g. test_prefs): the eval set instead of eval_split.
 
     The split is used whole: neither mixed by data_mix nor shared out by data_split. eval_split is then
-    unused, with a warning. Not with eval_data. ppo has no eval set.
+    unused, with a warning. Not with eval_data. ppo answers its prompts greedily and scores them with
+    eval_reward_fn.
     """
     data_columns: list[str] = field(default_factory=list, metadata={"rule": ColumnRenames()})
     """Column renames NEW=OLD, comma-separated (prompt=question,answer=solution), applied before the row format is
@@ -591,6 +591,17 @@ class PPOConfig(RunConfig):
     """Keep an exponential moving average of the actor (DeepSpeed-Chat 0.992), saved to model_ema/; 0: off."""
     sample_log_interval: int = bounded(10, ge=0)
     """Log a table of sample prompts/responses/scores every this many iterations."""
+    eval_reward_fn: list[str] = field(default_factory=list)
+    """Reward functions scoring greedy answers to the held-out prompts; default: the --reward-fn list.
+
+    They run before the first iteration, every --eval-interval iterations and after the last.
+
+    The held-out prompts are --eval-data, --data-test-split or an --eval-split holdout of --data. Each function's
+    mean is logged as eval/<name> (a task checker's: its success rate), their sum as eval_reward, in metrics.jsonl,
+    W&B, summary.json and curves.png. Specs as for --reward-fn. Without held-out prompts nothing is evaluated.
+    """
+    eval_max_new_tokens: int | None = bounded(None, ge=1)
+    """Response tokens per held-out prompt; default --max-new-tokens."""
 
     def validate(self, where: str = "config") -> None:
         super().validate(where)
@@ -599,9 +610,6 @@ class PPOConfig(RunConfig):
         if self.min_new_tokens > self.max_new_tokens:
             raise UserError(f"{where}: min_new_tokens: {self.min_new_tokens} must be <= max_new_tokens "
                             f"({self.max_new_tokens})")
-        if self.data.data_test_split is not None:
-            raise UserError(f"{where}: data_test_split: {self.data.data_test_split!r}: ppo has no eval set (it "
-                            "evaluates no held-out rows); drop it")
         if self.ptx_data and self.ptx_coef <= 0:
             raise UserError(f"{where}: ptx_coef: {self.ptx_coef} must be > 0 with ptx_data (the PTX loss weight)")
         if self.ptx_coef > 0 and not self.ptx_data:

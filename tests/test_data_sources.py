@@ -260,9 +260,9 @@ def test_a_bad_row_in_the_test_split_is_named_by_dataset_split_and_row(tmp_path:
         load_stage_rows(data, "sft", 0, sft_tokenize, empty="none")
 
 
-def test_ppo_refuses_a_test_split() -> None:
-    with pytest.raises(UserError, match="data_test_split: 'test': ppo has no eval set"):
-        resolve_config(PPOConfig(), ConfigSources(flags={"data_test_split": "test"}), where="rlhf ppo")
+def test_ppo_takes_a_test_split_as_its_held_out_prompts(tmp_path: Path) -> None:
+    config = resolve_config(PPOConfig(), ConfigSources(flags={"data_test_split": "test"}), where="rlhf ppo")
+    assert config.data.data_test_split == "test"
 
 
 def test_stage_share_after_the_split_is_unchanged() -> None:
@@ -287,8 +287,8 @@ def test_e2e_passes_the_selection_to_every_stage_and_the_test_split_to_sft_and_r
     resolve_stage_configs(stages, None, {}, {"sft": {"data-train-split": "train_sft"}}, "--config")
     assert stages["sft"].data.data_train_split == "train_sft"
     assert stages["reward"].data.data_train_split == "train_prefs"
-    with pytest.raises(UserError, match=r"rlhf e2e \[ppo\]: data_test_split: 'test_prefs': ppo has no eval set"):
-        resolve_stage_configs(stages, None, {}, {"ppo": {"data-test-split": "test_prefs"}}, "--config")
+    resolve_stage_configs(stages, None, {}, {"ppo": {"data-test-split": "test_prefs"}}, "--config")
+    assert stages["ppo"].data.data_test_split == "test_prefs"  # its held-out prompts
 
 
 def test_e2e_without_data_refuses_the_selection_flags() -> None:

@@ -56,8 +56,10 @@ def test_reduced_e2e_chains_marks_and_resumes(tmp_path, capsys):
     assert (out / "sft" / "DONE").stat().st_mtime == sft_mtime  # skipped
     assert (ppo / "DONE").is_file()
     rows = read_metrics(ppo)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[1]["score_mean"] == first_ppo_rows[1]["score_mean"]  # the resumed iteration is the same
+    # step 0 is the starting model's held-out eval, logged once (not again on resume)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/sort" in rows[0] and "score_mean" not in rows[0]
+    assert rows[2]["score_mean"] == first_ppo_rows[2]["score_mean"]  # the resumed iteration is the same
 
 
 def test_prefixed_flags_are_parsed_and_checked():
@@ -77,7 +79,8 @@ def test_preset_sets_defaults_that_the_file_and_flags_override(tmp_path):
     from rlhf.stages.e2e import resolve_e2e_config, resolve_stage_configs, stage_configs
 
     cfg = resolve_e2e_config(ConfigSources(file={"preset": "smollm2", "n_pairs": 100}, flags={"n_sft": "32"}))
-    assert (cfg.task, cfg.n_sft, cfg.n_pairs, cfg.eval_max_new_tokens) == ("arithmetic_words", 32, 100, 8)
+    assert (cfg.task, cfg.n_sft, cfg.n_pairs, cfg.eval_max_new_tokens) == ("larger_number", 32, 100, 8)
+    assert cfg.eval_temperature == 0.0  # greedy success
     assert resolve_e2e_config(ConfigSources()).task == "sort"  # no preset: the built-in default
     stages = stage_configs(cfg, Path(tmp_path))
     assert stages["sft"].model == str(tmp_path / "base")  # the converted model goes to <run>/base
@@ -109,20 +112,26 @@ def _smollm2_missing() -> str | None:
 
 
 
-@pytest.mark.slow  # converts SmolLM2-135M and runs each stage 1-2 steps on it: a few minutes on 2 cores
+@pytest.mark.slow  # converts SmolLM2-135M and runs each stage 1 step on it: a few minutes on 2 cores
 @pytest.mark.skipif(_smollm2_missing() is not None, reason=_smollm2_missing() or "")
-def test_smollm2_preset_runs_every_stage_on_the_real_model(tmp_path, capsys):
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_smollm2_preset_runs_every_stage_on_the_real_model(tmp_path, capsys, estimator):
     out = tmp_path / "run"
-    main(["e2e", "--preset", "smollm2", "--output", str(out), "--report-to", "none",
-          "--n-sft", "8", "--n-pairs", "8", "--n-prompts", "4", "--n-eval-pairs", "4", "--n-eval-prompts", "4",
-          "--sft.max-steps", "1", "--reward.max-steps", "1", "--ppo.max-steps", "1",
-          "--ppo.generation-batch-size", "4", "--ppo.micro-batch-size", "4", "--ppo.max-new-tokens", "4"])
+    main(["e2e", "--preset", "smollm2", "--advantage-estimator", estimator, "--output", str(out),
+          "--report-to", "none", "--n-sft", "8", "--n-pairs", "8", "--n-prompts", "8", "--n-eval-pairs", "4",
+          "--n-eval-prompts", "4", "--sft.max-steps", "1", "--reward.max-steps", "1", "--ppo.max-steps", "1",
+          "--ppo.generation-batch-size", "8", "--ppo.micro-batch-size", "8", "--ppo.max-new-tokens", "4"])
     printed = capsys.readouterr().out
-    assert "sft_task_success" in printed and "ppo_task_success" in printed and "rm_eval_accuracy" in printed
+    assert "sft_task_success" in printed and "ppo_task_success" in printed
+    assert ("rm_eval_accuracy" in printed) == (estimator == "gae")  # GRPO rewards with the task's checker
     config = json.loads((out / "base" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"]
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo") if estimator == "gae" else ("sft", "ppo"):
         assert (out / stage / "DONE").is_file(), stage
-    assert "What is" in (out / "data" / "prompts.jsonl").read_text()  # arithmetic_words
+    assert "Which number is larger" in (out / "data" / "prompts.jsonl").read_text()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == "arithmetic_words" and 0.0 <= summary["ppo_task_success"] <= 1.0
+    assert summary["task"] == "larger_number" and 0.0 <= summary["ppo_task_success"] <= 1.0
+    assert {"base_task_success", "sft_task_success_se"} <= summary.keys()
+    held_out = [r for r in map(json.loads, (out / "ppo" / "metrics.jsonl").read_text().splitlines())
+                if "eval/larger_number" in r]
+    assert [r["step"] for r in held_out] == [0, 1]  # before training and after the last step

@@ -43,7 +43,7 @@ class IterationLog:
         )
         self.last_metrics = metrics
         last = step == self.total_iterations
-        if step % config.tracking.log_interval == 0 or last:
+        if step % config.tracking.log_interval == 0 or last or "eval_reward" in metrics:  # never drop an evaluation
             self.tracker.log(metrics, step=step)
         if config.sample_log_interval > 0 and (iteration % config.sample_log_interval == 0 or last):
             extra = rollouts.extra or {}

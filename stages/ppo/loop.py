@@ -34,9 +34,10 @@ from rlhf.models.checks import fit_max_seq_len
 from rlhf.models.loading import deferred_causal_lm, load_tokenizer
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.models.value_model import deferred_value_model_from
-from rlhf.reward_functions import RewardFunction
+from rlhf.reward_functions import RewardFunction, load_reward_functions
 from rlhf.stages.experience import LogprobDrift
 from rlhf.stages.ppo.checks import check_token_readers
+from rlhf.stages.ppo.evaluation_phase import EvaluationPhase, format_eval
 from rlhf.stages.ppo.experience_phase import ExperiencePhase
 from rlhf.stages.ppo.generation_phase import GenerationPhase
 from rlhf.stages.ppo.iteration_log import IterationLog
@@ -49,13 +50,16 @@ from rlhf.stages.trainer import finish_stage, open_run, resume_from_latest, stop
 log = get_logger(__name__)
 
 
-class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
+class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, EvaluationPhase):
     """Actor (and critic), reference, reward sources, KL controller and EMA, and the loop over them. Each phase's methods are in its own module."""
 
     def __init__(self, config: PPOConfig, ctx: DistributedContext, output: Path,
                  reward_functions: list[RewardFunction] | None = None) -> None:
         self.config, self.ctx, self.output = config, ctx, output
         self.reward_functions = reward_functions
+        # Held-out scoring: --eval-reward-fn, else the reward functions (a reward model alone scores no held-out set).
+        self.eval_functions = (load_reward_functions(config.eval_reward_fn) if config.eval_reward_fn
+                               else list(reward_functions or []))
         self.seed = config.engine.seed
         self.tp = ctx.tp_coordinates(config.inference_tp_size)
         self.batch_per_rank = config.generation_batch_size
@@ -71,6 +75,7 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
         self.total_iterations = config.max_steps if config.max_steps > 0 else self.plan.steps_per_epoch * config.epochs
         self.build_models()
         self.tracker, self.checkpointer = open_run(config, ctx, output, "ppo")
+        self.elapsed_seconds = 0.0  # training wall time over the run's iterations (resumed with it)
         self.start_iteration = self.resume()
         self.sampling = SamplingParams(
             max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, do_sample=not config.greedy,
@@ -110,7 +115,10 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
     def load_data(self) -> None:
         """Prompts, the plan that deals them out per iteration, and the optional PTX rows."""
         config = self.config
-        self.prompts = load_prompts(config, self.tokenizer)
+        self.prompts, self.eval_prompts = load_prompts(config, self.tokenizer)
+        if self.eval_prompts is not None and not self.eval_functions:
+            log.warning("ppo: %d held-out prompts but no function to score them: pass --eval-reward-fn",
+                        len(self.eval_prompts.ids))
         # The plan deals out each iteration's global prompts (every rank reads the same list): the
         # experience batch of generation_batch_size x world samples is that many prompts' groups.
         prompts_per_iteration = self.batch_per_rank * self.ctx.world_size // self.group_size
@@ -182,6 +190,7 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
         if state is None:
             return 0
         self.kl_ctl.value = state["kl_coef"]
+        self.elapsed_seconds = float(state.get("elapsed_s", 0.0))
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
         return int(state["iteration"])
@@ -195,7 +204,9 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
         if signum is not None:
             bar.close()
             stop_for_signal(self.ctx, self.tracker, "ppo", signum, self.start_iteration, None)
+        self.log_initial_eval()
         for iteration in range(self.start_iteration, self.total_iterations):
+            iteration_started = time.perf_counter()
             seconds: dict[str, float] = {}
             self.critic_seconds = self.policy_kl_sum = 0.0
             self.old_logprob_drift = LogprobDrift()
@@ -208,6 +219,11 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
             if self.ema is not None:
                 self.ema.update(self.actor.model)
             kl = self.update_kl_controller(exp)
+            self.elapsed_seconds += time.perf_counter() - iteration_started
+            update_metrics["elapsed_s"] = self.elapsed_seconds  # training wall time, held-out evaluation excluded
+            if self.eval_due(iteration + 1):
+                update_metrics.update(self.evaluate_held_out(iteration + 1))
+                log.info("ppo: held-out after iteration %d: %s", iteration + 1, format_eval(update_metrics))
             metrics = self.log_iteration(iteration, rollouts, exp, update_metrics, kl, seconds)
             if iteration == self.start_iteration:
                 self.check_reward_spread(rollouts)
@@ -227,14 +243,15 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
         with --save-final-checkpoint), and when `stopping` for a signal; the checkpoint, if saved."""
         if not (stopping or wants_checkpoint(self.config, step, step == self.total_iterations)):
             return None
-        loop_state: dict[str, Any] = {"step": step, "iteration": step, "kl_coef": self.kl_ctl.value}
+        loop_state: dict[str, Any] = {"step": step, "iteration": step, "kl_coef": self.kl_ctl.value,
+                                      "elapsed_s": self.elapsed_seconds}
         if self.ema is not None:
             loop_state["ema"] = self.ema.state_dict()
         return self.checkpointer.save(step, self.engines, loop_state)
 
     def finish(self) -> dict[str, Any]:
-        """Export the actor, the critic if any (and the EMA actor), write summary.json and DONE;
-        returns the summary."""
+        """Export the actor, the critic if any (and the EMA actor), draw curves.png (rlhf/curves.py), write
+        summary.json and DONE; returns the summary."""
         ctx, output = self.ctx, self.output
         export_trained_model(self.actor, output / "model", self.tokenizer, self.config.lora)
         if self.critic is not None:
@@ -249,5 +266,12 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog):
             "prompts": len(self.prompts.ids), "data": self.prompts.stats,
             **{k: v for k, v in self.last_metrics.items() if isinstance(v, (int, float))},
         }
+        if ctx.is_main:
+            from rlhf.curves import write_curves  # only the end of the run draws (matplotlib optional, inside)
+
+            try:
+                write_curves(output)
+            except Exception as exc:  # a figure must never fail a trained run
+                log.warning("ppo: curves.png not written (%s: %s)", type(exc).__name__, exc)
         finish_stage(ctx, output, self.tracker, summary)
         return summary

@@ -61,21 +61,30 @@ class Prompts:
     """Each prompt came as chat messages (TRL's conversational rows: its reward functions get messages)."""
 
 
-def load_prompts(config: PPOConfig, tokenizer: Any) -> Prompts:
-    """This stage's share of --data as generation prompts of at most --max-prompt-len tokens."""
+def load_prompts(config: PPOConfig, tokenizer: Any) -> tuple[Prompts, Prompts | None]:
+    """This stage's share of --data as generation prompts of at most --max-prompt-len tokens, and
+    the held-out prompts (--eval-data, --data-test-split or an --eval-split holdout; None without)."""
 
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict, bool]], TokenizeStats]:
         ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
         return [(i, parsed[k].generation_prompt, parsed[k].fields, parsed[k].conversational)
                 for i, k in zip(ids, stats.kept_indices)], stats
 
+    data = config.data
     rows = load_stage_rows(
-        config.data, "ppo", config.engine.seed, tokenize, holdout=False,
+        data, "ppo", config.engine.seed, tokenize,
+        holdout=bool(data.eval_data or data.eval_split > 0 or data.data_test_split is not None),
         required="prompts (or any rows with a prompt) as json/jsonl/parquet/csv",
         empty=f"no prompts of at most {config.max_prompt_len} tokens",
     )
-    return Prompts([r[0] for r in rows.train], [r[1] for r in rows.train], [r[2] for r in rows.train], rows.stats,
-                   [r[3] for r in rows.train])
+    eval_stats = {k: v for k, v in rows.stats.items() if k.startswith("eval_")}
+    held_out = prompts_of(rows.eval, eval_stats) if rows.eval else None
+    return prompts_of(rows.train, rows.stats), held_out
+
+
+def prompts_of(rows: list[tuple[list[int], list[Message], dict, bool]], stats: dict[str, int]) -> Prompts:
+    """`Prompts` from tokenized rows (ids, generation prompt, fields, conversational)."""
+    return Prompts([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], stats, [r[3] for r in rows])
 
 
 def critic_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

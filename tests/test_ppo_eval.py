@@ -75,7 +75,7 @@ def test_eval_reward_fn_replaces_the_reward_functions_and_eval_is_greedy(tiny_mo
                        "--eval-interval", "1", "--eval-reward-fn", f"{other}:first_is_a",
                        "--seed", "0" if name == "a" else "1"))
         runs.append(eval_rows(out))
-    assert all(set(k for k in r if k.startswith("eval/")) == {"eval/first_is_a"} for r in runs[0])
+    assert all({k for k in r if k.startswith("eval/")} == {"eval/first_is_a"} for r in runs[0])
     # Step 0 is the same model under two seeds: greedy answers do not depend on the sampling seed.
     assert runs[0][0]["eval/first_is_a"] == runs[1][0]["eval/first_is_a"]
 

@@ -561,6 +561,12 @@ class PPOConfig(RunConfig):
     """
     adaptive_kl: bool = False
     """Adapt kl_coef towards kl_target (Ziegler et al. 2019)."""
+    log_kl: bool = False
+    """Measure and log the KL to the reference (kl) at --kl-coef 0 too; this builds and runs the reference model.
+
+    Without a KL term (--kl-coef 0, no --adaptive-kl, as TRL's GRPO beta 0) the reference model is neither loaded
+    nor run, and no kl is logged; --log-kl brings it back for the curve alone (the update is the same).
+    """
     kl_target: float = bounded(6.0, gt=0)
     """Adaptive KL target, summed over a response (TRL default)."""
     kl_horizon: int = bounded(10000, ge=1)
@@ -649,6 +655,11 @@ class PPOConfig(RunConfig):
         """The KL to the reference is a loss term (GRPO) rather than a per-token reward penalty."""
         placement = self.estimator.kl_placement if self.kl_placement == "auto" else self.kl_placement
         return placement == "loss"
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term uses the reference model (--kl-coef > 0 or --adaptive-kl), or --log-kl asks for its KL."""
+        return self.kl_coef > 0 or self.adaptive_kl or self.log_kl
 
     @property
     def kl_kind(self) -> KLEstimator:

@@ -25,13 +25,13 @@ class Experience:
     attention_mask: torch.Tensor  # [B, T]
     action_mask: torch.Tensor  # [B, T-1] bool: response tokens
     old_logprobs: torch.Tensor | None  # [B, T-1]; None: the update is on-policy, the trained forward's own
-    ref_logprobs: torch.Tensor  # [B, T-1]
+    ref_logprobs: torch.Tensor | None  # [B, T-1]; None: no reference model (no KL term, PPOConfig.needs_reference)
     old_values: torch.Tensor  # [B, T-1]
     rewards: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B, T-1]
     returns: torch.Tensor  # [B, T-1]
     scores: torch.Tensor  # [B] raw scores (before normalisation and clipping)
-    kl: torch.Tensor  # [B, T-1]
+    kl: torch.Tensor | None  # [B, T-1]; None without a reference
     rollout_logprobs: torch.Tensor | None = None  # [B, T-1] generation's, for --rollout-is; None: no correction
 
     def __len__(self) -> int:
@@ -73,7 +73,7 @@ def build_experience(
     action_mask_full: torch.Tensor,
     *,
     old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
     values_full: torch.Tensor | None,
     raw_scores: torch.Tensor,
     scores: torch.Tensor,
@@ -95,14 +95,22 @@ def build_experience(
     goes into the loss instead passes kl_coef 0 here, and then `old_logprobs` may be None (an
     on-policy update reads the trained forward's own log-probs; `kl` is then 0 here and measured
     in the update). Advantages are whitened over the masked
-    tokens of every rank (`all_reduce`) when `whiten_advantages`. `rollout_logprobs` [B, T-1]
+    tokens of every rank (`all_reduce`) when `whiten_advantages`. Without a reference (`ref_logprobs`
+    None, kl_coef 0) the score is the only reward and `kl` is None. `rollout_logprobs` [B, T-1]
     (generation's, aligned as the log-probs) are kept for the update's rollout importance weights.
     """
     mask = action_mask_full[:, 1:].bool()
     if old_logprobs is None and kl_coef:
         raise ValueError("a KL penalty in the reward needs the rollout policy's log-probs")
-    rewards, kl = compute_token_rewards(scores, ref_logprobs if old_logprobs is None else old_logprobs, ref_logprobs,
-                                        mask, kl_coef, kl_kind, reward_clip)
+    if ref_logprobs is None:
+        if kl_coef:
+            raise ValueError("a KL penalty in the reward needs the reference model's log-probs")
+        no_kl = mask.new_zeros(mask.shape, dtype=torch.float32)
+        rewards, _ = compute_token_rewards(scores, no_kl, no_kl, mask, 0.0, kl_kind, reward_clip)
+        kl = None
+    else:
+        rewards, kl = compute_token_rewards(scores, ref_logprobs if old_logprobs is None else old_logprobs,
+                                            ref_logprobs, mask, kl_coef, kl_kind, reward_clip)
     if values_full is not None:
         values = values_full[:, :-1].float() * mask
         advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
@@ -117,7 +125,8 @@ def build_experience(
 
 
 def mean_kl_per_sequence(exp: Experience) -> torch.Tensor:
-    """KL summed over each response, averaged over the batch (what adaptive KL targets)."""
+    """KL summed over each response, averaged over the batch (what adaptive KL targets); needs a reference."""
+    assert exp.kl is not None, "no reference model: no KL"
     return (exp.kl * exp.action_mask).sum(-1).mean()
 
 

@@ -96,19 +96,19 @@ class PPOModels:
 
     actor: TrainedModelMemory
     critic: TrainedModelMemory | None
-    ref: FrozenModelMemory | None  # None: a LoRA actor with its adapters off is the reference
+    ref: FrozenModelMemory | None  # None: no KL term (no reference), or a LoRA actor with its adapters off is it
     reward: FrozenModelMemory | None
 
 
 def ppo_models(config: PPOConfig, s: Setting) -> PPOModels:
     """As PPOTrainer builds them: actor and critic at their own ZeRO stages (with LoRA adapters,
-    no dropout in PPO), the reference (--ref, default the actor; none for a LoRA actor, whose
-    base is the reference) and the reward model frozen at --zero-stage."""
+    no dropout in PPO), the reference (--ref, default the actor; none without a KL term, or for a
+    LoRA actor, whose base is the reference) and the reward model frozen at --zero-stage."""
     zero = config.engine.zero_stage
     lora = dataclasses.replace(config.lora, lora_dropout=0.0)
     actor = shape_of(config.actor, "--actor", "lm", lora, s.fuses_layers)
     ref = None
-    if not (lora.lora_rank and config.ref in (None, config.actor)):
+    if config.needs_reference and not (lora.lora_rank and config.ref in (None, config.actor)):
         ref_shape = shape_of(config.ref or config.actor, "--ref", "lm", fuses_layers=s.fuses_layers)
         ref = FrozenModelMemory(ref_shape, zero, s.compute, s.world)
     critic = None
@@ -175,8 +175,8 @@ def frozen_moments(m: FrozenModelMemory, tokens: int, logits: int, s: Setting, h
 
 def experience_phase(config: PPOConfig, models: PPOModels, shapes: PPOShapes, s: Setting,
                      held: Components) -> PhasePlan:
-    """Reference log-probs over response positions, then the critic's values (kept with their graph
-    for the update when it is one micro-batch: `keeps_critic_forward`)."""
+    """Reference log-probs over response positions (with a KL term), then the critic's values (kept
+    with their graph for the update when it is one micro-batch: `keeps_critic_forward`)."""
     micro = min(config.engine.micro_batch_size, shapes.rows)
     micro_tokens = micro * shapes.width
     vocab = models.actor.shape.vocab
@@ -185,9 +185,10 @@ def experience_phase(config: PPOConfig, models: PPOModels, shapes: PPOShapes, s:
     ref_tokens = shapes.forward_tokens(micro, True)
     ref_logits = logits + (s.compute * micro * shapes.new * vocab if shared else 0)
     actor = models.actor
+    moments: dict[str, Components] = {"no reference forward": dict(held)}
     if models.ref is not None:
         moments = frozen_moments(models.ref, ref_tokens, ref_logits, s, held, "ref")
-    else:  # a LoRA actor with its adapters off
+    elif config.needs_reference:  # a LoRA actor with its adapters off
         moments = {"ref forward (actor, adapters off)": {
             **held, "actor gathered": actor.gathered_in_forward(),
             "ref working set": working_set_bytes(actor.shape, ref_tokens, s.compute)},

@@ -45,6 +45,8 @@ class IterationWork:
     critic_forward_kept: bool = False
     """The experience pass's critic forward was the training forward (its graph kept): the
     training phase ran the critic's backward only."""
+    reference_forward: bool = True
+    """The experience pass ran the reference model (not without a KL term)."""
 
 
 def iteration_models(actor: Any, critic: Any | None, reward: Any | None) -> IterationModels | None:
@@ -66,8 +68,8 @@ def iteration_flops(models: IterationModels, work: IterationWork, prompt_lens: S
     flops = {
         "prefill": prefill_flops(models.actor, prompt_lens, work.samples_per_prompt),
         "decode": decode_flops(models.actor, prompt_lens, response_lens),
-        # The experience pass always runs the reference (the actor's architecture).
-        "reward": 0, "experience": actor_forward, "training": work.ppo_epochs * training_flops(actor_forward),
+        # The experience pass runs the reference (the actor's architecture) when a KL term needs it.
+        "reward": 0, "experience": actor_forward if work.reference_forward else 0, "training": work.ppo_epochs * training_flops(actor_forward),
     }
     if models.reward is not None:
         flops["reward"] = forward_flops(models.reward, prompt_lens, response_lens, "value")

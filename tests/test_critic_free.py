@@ -99,7 +99,7 @@ def test_on_policy_update_skips_the_old_logprob_pass_and_matches_it(tiny_model_d
     model = tiny_model_dirs["llama"]
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "bcd" * (i % 3 + 1), "answer": "abcdefghijklm"}
                                                      for i in range(64)])
-    for name, extra in (("fast", []), ("slow", ["--adaptive-kl"])):
+    for name, extra in (("fast", ["--log-kl"]), ("slow", ["--adaptive-kl"])):
         args = grpo_args(model, data, reward_file, tmp_path / name, *common, *extra)
         args[args.index("--reward-fn") + 1] = f"{reward_file}:answer_share"
         main(args)
@@ -108,6 +108,36 @@ def test_on_policy_update_skips_the_old_logprob_pass_and_matches_it(tiny_model_d
         for key in ("score_mean", "kl", "policy_loss", "actor_grad_norm", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
     assert fast[0]["actor_grad_norm"] > 0 and fast[1]["kl"] > 0  # it learned: the policy moved from the reference
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_no_kl_term_runs_no_reference_and_trains_the_same(tiny_model_dirs, reward_file, tmp_path, log_records,
+                                                         placement):
+    """At --kl-coef 0 the reference model is neither built nor run (no kl logged, no reference FLOPs);
+    --log-kl builds it to measure the KL, and the trained weights are the same either way."""
+    from safetensors.torch import load_file
+
+    common = ["--advantage-estimator", "grpo", "--max-steps", "2", "--kl-coef", "0", "--kl-placement", placement,
+              "--ppo-epochs", "2", "--micro-batch-size", "8"]
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "bcd" * (i % 3 + 1), "answer": "abcdefghijklm"}
+                                                     for i in range(64)])
+    for name, extra in (("without", []), ("with", ["--log-kl"])):
+        args = grpo_args(tiny_model_dirs["llama"], data, reward_file, tmp_path / name, *common, *extra)
+        args[args.index("--reward-fn") + 1] = f"{reward_file}:answer_share"
+        main(args)
+    assert sum("the reference model is neither loaded nor run" in r.getMessage() for r in log_records) == 1
+    without, logged = read_metrics(tmp_path / "without"), read_metrics(tmp_path / "with")
+    assert all("kl" not in r and "kl_loss" not in r for r in without)
+    assert logged[1]["kl"] != 0.0  # the policy moved from the reference, and --log-kl measured it
+    assert without[0]["experience_gflop"] < logged[0]["experience_gflop"]
+    for a, b in zip(without, logged):
+        for key in ("score_mean", "policy_loss", "actor_grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    weights = [load_file(str(tmp_path / name / "model" / "model.safetensors")) for name in ("without", "with")]
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.usefixtures("one_thread")

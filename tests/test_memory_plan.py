@@ -234,6 +234,19 @@ def test_plan_reads_the_stage_config_file(capsys: pytest.CaptureFixture, tmp_pat
     assert "critic params" not in training and "actor gathered" in training  # no critic; ZeRO-2 keeps it gathered
 
 
+def test_plan_holds_no_reference_without_a_kl_term(capsys: pytest.CaptureFixture) -> None:
+    """At --kl-coef 0 PPO builds no reference model; --log-kl brings it back, and the plan follows."""
+    common = ["plan", "ppo", "--actor", "tiny", "--reward-fn", "sort", "--advantage-estimator", "grpo", "--samples-per-prompt", "4", "--device",
+              "cpu", "--baseline-gb", "0", "--kl-coef", "0"]
+    plans = []
+    for extra in ([], ["--log-kl"]):
+        main([*common, *extra])
+        plans.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    without, logged = (p["phases"]["experience"]["components_gb"] for p in plans)
+    assert "ref params" not in without and not any(k.startswith("ref ") for k in without)
+    assert logged["ref params"] > 0
+
+
 def test_plan_rejects_a_missing_model(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "sft", "--model", str(tmp_path / "nowhere")])

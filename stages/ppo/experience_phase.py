@@ -33,9 +33,9 @@ class ExperiencePhase:
         return config.ppo_epochs == 1 and config.engine.train_batch_size == self.experience_size and no_reward_kl
 
     @torch.no_grad()
-    def score_policy(self, rollouts: Rollouts) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Old (actor) log-probs (None for an on-policy update), reference log-probs and the
-        critic's values (None without a critic), in micro-batches."""
+    def score_policy(self, rollouts: Rollouts) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Old (actor) log-probs (None for an on-policy update), reference log-probs (None without a
+        reference model) and the critic's values (None without a critic), in micro-batches."""
         seq, attn = rollouts.sequences, rollouts.attention_mask
         micro = self.config.engine.micro_batch_size
         self.actor.eval()
@@ -50,9 +50,11 @@ class ExperiencePhase:
                 self.ran_old_logprob_forward = True
             else:  # generation's: column t + 1's token log-prob is position t's (as the forward's [B, T-1])
                 old_logprobs = rollouts.logprobs[:, 1:] * rollouts.action_mask[:, 1:]
-        ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start,
-                                         pack_budget=self.config.max_tokens_per_micro_batch
-                                         if self.config.pack_sequences else 0)
+        ref_logprobs = None
+        if self.ref is not None:
+            ref_logprobs = self.ref.logprobs(seq, attn, start if share else 0, response_start=start,
+                                             pack_budget=self.config.max_tokens_per_micro_batch
+                                             if self.config.pack_sequences else 0)
         values = None
         if self.critic is not None:
             started = time.perf_counter()

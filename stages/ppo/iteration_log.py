@@ -24,7 +24,7 @@ class IterationLog:
     # critic, ref, reward, tokenizer, tracker, memory, ... (PPOTrainer.__init__ and build_models).
 
     def log_iteration(self, iteration: int, rollouts: Rollouts, exp: Experience, update_metrics: dict[str, float],
-                      kl: float, seconds: dict[str, float]) -> dict[str, float]:
+                      kl: float | None, seconds: dict[str, float]) -> dict[str, float]:
         """Metrics of the iteration over all ranks to the tracker (and a sample table now and then)."""
         ctx, config, step = self.ctx, self.config, iteration + 1
         experience_global = self.experience_size
@@ -36,7 +36,8 @@ class IterationLog:
         metrics.update(critic_s=self.critic_seconds, **self.phase_gflop(rollouts),
                        **self.old_logprob_metrics(exp), **self.memory.metrics(ctx.all_reduce_max))
         metrics.update(
-            kl=kl, kl_coef=self.kl_ctl.value, **seconds, samples_per_s=experience_global / sum(seconds.values()),
+            kl_coef=self.kl_ctl.value, **({} if kl is None else {"kl": kl}), **seconds,
+            samples_per_s=experience_global / sum(seconds.values()),
             tokens_per_s=response_tokens / seconds["generation_s"], actor_lr=self.actor.scheduler.get_last_lr()[0],
             ended_with_eos=eos / experience_global, reward_clipped_fraction=clipped / experience_global,
             **rollouts.metrics,
@@ -60,7 +61,8 @@ class IterationLog:
         responses = rollouts.response_lengths
         prompts = rollouts.attention_mask.sum(-1) - responses
         work = IterationWork(self.group_size, self.shares_prompts, self.ran_old_logprob_forward,
-                             self.config.ppo_epochs, self.critic is not None and self.keeps_critic_forward(len(rollouts)))
+                             self.config.ppo_epochs, self.critic is not None and self.keeps_critic_forward(len(rollouts)),
+                             reference_forward=self.ref is not None)
         flops = iteration_flops(self.flop_models, work, prompts.tolist(), responses.tolist())
         total = self.ctx.all_reduce_sum(torch.tensor([flops[k] for k in PHASES], dtype=torch.float64))
         return {f"{k}_gflop": float(v) / 1e9 for k, v in zip(PHASES, total.tolist())}

@@ -156,8 +156,11 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
                 disable_dropout(critic), engine_config_for(config, config.critic_zero_stage, config.critic_lr), ctx,
                 total_steps, "critic", critic_weights)
         self.engines = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
-        self.ref: FrozenModel
-        if config.lora.lora_rank and config.ref in (None, config.actor):
+        self.ref: FrozenModel | None = None
+        if not config.needs_reference:
+            log.info("ppo: no KL term (--kl-coef 0): the reference model is neither loaded nor run%s; --log-kl "
+                     "measures the KL anyway", f" (--ref {config.ref} unused)" if config.ref else "")
+        elif config.lora.lora_rank and config.ref in (None, config.actor):
             # The LoRA actor's frozen base is the reference: no second copy of the weights.
             self.ref = AdaptersOffReference(self.actor.model, ctx, config.engine.micro_batch_size)
         else:
@@ -178,7 +181,8 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
         reasons = {"actor": packing_unsupported_reason(self.actor.model, device)}
         if self.critic is not None:
             reasons["critic"] = packing_unsupported_reason(self.critic.model, device)
-        reasons["ref"] = self.ref.packing_unsupported_reason()
+        if self.ref is not None:
+            reasons["ref"] = self.ref.packing_unsupported_reason()
         if self.reward.model_source is not None:
             reasons["reward"] = self.reward.model_source.model.packing_unsupported_reason()
         return reasons
@@ -228,7 +232,7 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
             if iteration == self.start_iteration:
                 self.check_reward_spread(rollouts)
             bar.update(1)
-            bar.set_postfix(score=f"{metrics['score_mean']:.3f}", kl=f"{kl:.3f}")
+            bar.set_postfix(score=f"{metrics['score_mean']:.3f}", **({} if kl is None else {"kl": f"{kl:.3f}"}))
             # Every rank stops after the same iteration (one small all_reduce); after the last, the run finishes.
             last = iteration + 1 == self.total_iterations
             signum = None if last else agreed_stop(self.ctx)

@@ -173,8 +173,9 @@ class UpdatePhase:
             self.old_logprob_drift.add(logprobs.detach(), old_logprobs, exp.action_mask)
         if old_logprobs is None:  # on-policy: the rollout policy is this forward's (ratio 1, gradient kept)
             old_logprobs = logprobs.detach()
-            kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
-            self.policy_kl_sum = self.policy_kl_sum + kl.sum().double()
+            if exp.ref_logprobs is not None:
+                kl = kl_estimate(old_logprobs, exp.ref_logprobs, config.kl_kind) * exp.action_mask
+                self.policy_kl_sum = self.policy_kl_sum + kl.sum().double()
         loss_mask, token_weights = exp.action_mask, None
         if self.rollout_is != "off" and exp.rollout_logprobs is not None:
             ratio = rollout_is_ratio(old_logprobs, exp.rollout_logprobs, exp.action_mask)
@@ -187,7 +188,7 @@ class UpdatePhase:
         per_sample = weight.tokens if aggregation == "token-mean" else weight.rows
         loss = per_sample * p_loss
         metrics.update(clipfrac=clipfrac, approx_kl=approx_kl)
-        if config.kl_in_loss:
+        if config.kl_in_loss and exp.ref_logprobs is not None:
             kl_term = kl_loss(logprobs, exp.ref_logprobs, exp.action_mask, config.kl_kind, aggregation, normalizer)
             loss = loss + per_sample * self.kl_ctl.value * kl_term
             metrics["kl_loss"] = kl_term.detach()
@@ -231,9 +232,11 @@ class UpdatePhase:
         loss_sum, count = sft_loss_sum(logits, batch["labels"].to(device))
         return loss_sum / count.clamp(min=1)
 
-    def update_kl_controller(self, exp: Experience) -> float:
+    def update_kl_controller(self, exp: Experience) -> float | None:
         """Mean KL per sequence over all ranks (from the experience, or measured in an on-policy
-        update), fed to the KL controller (adaptive KL moves its coefficient)."""
+        update), fed to the KL controller (adaptive KL moves its coefficient); None without a reference."""
+        if exp.ref_logprobs is None:
+            return None
         if exp.old_logprobs is None:
             kl = float(self.ctx.all_reduce_sum(self.policy_kl_sum)) / self.experience_size
         else:

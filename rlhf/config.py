@@ -363,7 +363,7 @@ class PPOConfig(RunConfig):
     ref: str | None = None
     """The frozen reference policy for the KL penalty; defaults to --actor."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward functions: a built-in task's checker (sort, arithmetic_words), path/to/file.py:function or
+    """Reward functions: a built-in task's checker (sort, arithmetic_words, larger_number), path/to/file.py:function or
     package.module:function.
 
     A function is called per sample, f(prompt, response, **row_fields) -> float | None, or in TRL's
@@ -709,10 +709,10 @@ class E2EConfig:
 
     preset: E2EPreset | None = None
     """A named recipe replacing the built-in defaults (flags and --config still override it): smollm2 =
-    SmolLM2-135M-Instruct on the arithmetic_words task.
+    SmolLM2-135M-Instruct on the larger_number task.
 
-    smollm2 trains the model `rlhf models get smollm2-135m-instruct` writes, sized for a run of about half
-    an hour on two CPU cores.
+    smollm2 trains the model `rlhf models get smollm2-135m-instruct` writes, sized for minutes on two CPU
+    cores (docs/stages.md).
     """
     output: str = "runs/e2e"
     """Run folder: sft/, reward/, ppo/, data/, base/ and summary.json. Re-running skips finished stages and resumes an

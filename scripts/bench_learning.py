@@ -1,8 +1,9 @@
 """Learning benchmark: rlhf ppo's GRPO against TRL 1.16's GRPOTrainer on the same work, then one
 greedy evaluator scores the base, our and TRL's models on held-out prompts of a built-in task.
 
-    # SmolLM2-135M-Instruct on arithmetic_words (the measurement; ~30 steps of 32 completions each side)
-    python scripts/bench_learning.py --model /tmp/smollm2 --task arithmetic_words --out runs/bench_learning
+    # SmolLM2-135M-Instruct on larger_number (the measurement; 30 steps of 32 completions each side)
+    rlhf models get smollm2-135m-instruct --output models/smollm2
+    python scripts/bench_learning.py --model models/smollm2 --task larger_number --out runs/bench_learning
 
     # tiny model: the SFT model of a tiny e2e run (character tokenizer, Human/Assistant chat template,
     # trained on `sort`; it solves part of the task), ~25 s to build, then a minute or two here
@@ -115,7 +116,7 @@ def log(message: str) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model folder (Hugging Face format) both sides start from")
-    p.add_argument("--task", default="arithmetic_words", help="built-in task of rlhf.data.tasks")
+    p.add_argument("--task", default="larger_number", help="built-in task of rlhf.data.tasks")
     p.add_argument("--rows", type=int, default=None, help="training rows (default and most: steps x prompts-per-step)")
     p.add_argument("--eval-rows", type=int, default=128, help="held-out rows, disjoint from the training rows")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (TRL num_generations)")

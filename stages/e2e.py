@@ -275,10 +275,12 @@ def critic_free_settings(cfg: E2EConfig, ppo: PPOConfig) -> None:
     Tiny default: the same 64 samples per iteration as PPO, as 8 prompts x 8. smollm2: after SFT
     the model picks either number about half the time, so nearly every group of 8 holds both a
     right and a wrong answer; 60 iterations of 4 prompts x 8 at lr 2e-5 without a KL term (TRL's
-    GRPO default beta 0: no reference model runs)."""
+    GRPO default beta 0: no reference model runs), the 32 rollouts in one micro-batch (3.7 s of
+    training an iteration in four micro-batches of 8, 1.1 s in one: docs/benchmarks.md)."""
     ppo.samples_per_prompt, ppo.kl_coef = 8, 0.04
     if cfg.preset == "smollm2":
         ppo.generation_batch_size, ppo.max_steps, ppo.engine.lr, ppo.kl_coef = 32, 60, 2e-5, 0.0
+        ppo.engine.micro_batch_size = 32
 
 
 def wandb_group(run_dir: Path, ctx: DistributedContext) -> str:

@@ -12,7 +12,7 @@ greedy evaluator scores the base, our and TRL's models on held-out prompts of a 
     python scripts/bench_learning.py --model runs/e2e/sft/model --task sort --steps 3 --eval-rows 64 \
         --out runs/bench_learning_tiny
 
-    # ours only (no TRL venv needed); the peer venv: bash ../shared/peers/trl1/setup.sh
+    # ours only (no TRL venv needed); TRL's side needs a python with trl 1.16 (--peer-python)
     python scripts/bench_learning.py --model runs/e2e/sft/model --task sort --skip-peer --out runs/bl
 
 Both sides get one file of conversational rows {"prompt": [{"role": "user", "content": TEXT}],
@@ -29,13 +29,13 @@ math (loss_type dapo, scale_rewards group, epsilon 0.2 both sides, token-level r
 max_grad_norm 1, weight_decay 0, AdamW betas 0.9/0.999 and eps 1e-8, temperature/top_p/top_k,
 num_iterations 1, mask_truncated_completions false, ...). Ours reads it with `rlhf ppo
 --trl-config` (rlhf/trl_config.py maps each key; OUT/ours/config.yaml is then checked against
-the expected fields); the peer script (../shared/peers/trl1/grpo.py) gets GROUP, PROMPTS_PER_STEP,
+the expected fields); TRL's GRPO script (--peer-script, a grpo.py) gets GROUP, PROMPTS_PER_STEP,
 GEN, LR, BETA, TEMPERATURE, THREADS from the same file and keeps TRL's defaults for the rest, which
-are checked against the file in the peer's own python before it runs.
+are checked against the file in TRL's own python before it runs.
 
 Seconds per step exclude the first step (warm-up) on both sides: ours from OUT/ours/metrics.jsonl
 (`elapsed_s`, training wall time per iteration, or the sum of generation_s + reward_s +
-experience_s + training_s where elapsed_s is missing), the peer's from its last JSON line (time
+experience_s + training_s where elapsed_s is missing), TRL's from its last JSON line (time
 between optimizer-step ends). Both run one after the other in this invocation, never at once,
 with the same thread count.
 
@@ -47,7 +47,7 @@ answer_match; accuracy is the mean.
 
 Differences that stay: TRL tokenizes the rendered chat without special tokens, so a tokenizer
 that adds a BOS the chat template lacks (the tiny character tokenizer's <s>) gets prompts without
-it on the peer's side (SmolLM2's template starts with its BOS: same ids on both sides); ours
+it on TRL's side (SmolLM2's template starts with its BOS: same ids on both sides); ours
 samples with an fp16 KV cache for fp32 models on the CPU (--kv-cache-dtype auto); our GRPO std
 normalisation adds 1e-6 (TRL 1e-4); grpo.py seeds 0 whatever --seed is; the two data shuffles
 differ (same prompts, other order).
@@ -55,7 +55,7 @@ differ (same prompts, other order).
 Log lines go to stderr; the last stdout line is one JSON object: bench, model, task, steps, group,
 prompts_per_step, max_new_tokens, lr, eval_rows, accuracy {base, ours, peer}, seconds_per_step
 {ours, peer}, speedup (peer / ours seconds per step), trl (version), machine. With --skip-peer the
-peer's fields are null.
+TRL's fields are null.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "scripts" / "rewards" / "answer_match.py"
 REWARD_FN = "answer_match"
-DEFAULT_PEER_PYTHON = "/tmp/trl1-peer/venv/bin/python"
-DEFAULT_PEER_SCRIPT = REPO.parent / "shared" / "peers" / "trl1" / "grpo.py"
+DEFAULT_PEER_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl 1.16
+DEFAULT_PEER_SCRIPT = os.environ.get("TRL_GRPO_SCRIPT")  # TRL's side: a GRPOTrainer script (arguments: see run_peer)
 PHASE_SECONDS = ("generation_s", "reward_s", "experience_s", "training_s")
 
 # TRL 1.16 GRPOConfig defaults that change what a step computes (trl/trainer/grpo_config.py and
@@ -128,9 +128,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of both runs")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each run and of the evaluator")
     p.add_argument("--out", required=True, help="output folder (rows, grpo.yaml, ours/, peer/, logs)")
-    p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="python of the TRL 1.16 venv")
-    p.add_argument("--peer-script", default=str(DEFAULT_PEER_SCRIPT), help="the peer's grpo.py")
-    p.add_argument("--skip-peer", action="store_true", help="run ours only; the peer's fields are null")
+    p.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="python of the TRL 1.16 venv (default $TRL_PYTHON)")
+    p.add_argument("--peer-script", default=DEFAULT_PEER_SCRIPT, help="TRL's grpo.py (default $TRL_GRPO_SCRIPT)")
+    p.add_argument("--skip-peer", action="store_true", help="run ours only; TRL's fields are null")
     p.add_argument("--eval-max-new-tokens", type=int, default=None, help="greedy tokens per held-out prompt "
                                                                           "(default --max-new-tokens)")
     p.add_argument("--eval-batch-size", type=int, default=32, help="held-out prompts per generate call")
@@ -138,6 +138,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.eval_max_new_tokens = args.eval_max_new_tokens or args.max_new_tokens
     if not Path(args.model).is_dir():
         p.error(f"--model {args.model}: no such model folder")
+    if not args.skip_peer and not (args.peer_python and args.peer_script):
+        p.error("TRL's side needs --peer-python (or TRL_PYTHON) and --peer-script (or TRL_GRPO_SCRIPT); "
+                "or pass --skip-peer")
     return args
 
 
@@ -300,7 +303,7 @@ PEER_UNCHECKED = {"seed", "report_to", "save_strategy"}
 
 
 def check_peer_defaults(args: argparse.Namespace, settings: dict[str, Any], out: Path) -> None:
-    """Fail when the peer's GRPOConfig (grpo.py's arguments + TRL's defaults) differs from `settings`."""
+    """Fail when TRL's GRPOConfig (grpo.py's arguments + TRL's defaults) differs from `settings`."""
     done = subprocess.run([args.peer_python, "-c", PEER_CHECK, json.dumps(settings), str(out / "check")],
                           capture_output=True, text=True, env=thread_env(1), timeout=300)
     if done.returncode != 0:
@@ -308,7 +311,7 @@ def check_peer_defaults(args: argparse.Namespace, settings: dict[str, Any], out:
     got = json.loads(done.stdout.strip().splitlines()[-1])
     wrong = {k: (got[k], v) for k, v in settings.items() if k not in PEER_UNCHECKED and got[k] != v}
     if wrong:
-        raise SystemExit(f"the peer's GRPOConfig differs from {out / 'grpo.yaml'} (peer, file): {wrong}")
+        raise SystemExit(f"TRL's GRPOConfig differs from {out / 'grpo.yaml'} (peer, file): {wrong}")
     log(f"peer: its GRPOConfig matches grpo.yaml in {len(settings) - len(PEER_UNCHECKED)} keys")
 
 

@@ -562,7 +562,8 @@ def e2e_figures(run, extra="{}"):
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         return max(values) if values else None
 
-    keep.update({"ppo_iterations": len(rows), "old_logprob_diff_max": most("old_logprob_diff_max"),
+    iterations = [r for r in rows if r.get("step", 0) > 0]  # step 0: the held-out evaluation before training
+    keep.update({"ppo_iterations": len(iterations), "old_logprob_diff_max": most("old_logprob_diff_max"),
                  "rollout_parity_max_diff": most("rollout_parity_max_diff"),
                  "ppo_peak_mem_gb": max((v for r in rows for k, v in r.items() if k.startswith("peak_mem_gb_")),
                                         default=None)})

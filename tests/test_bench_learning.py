@@ -18,7 +18,8 @@ from rlhf.models.tiny import save_tiny_model
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bench_learning.py"
 REWARD_FILE = REPO / "scripts" / "rewards" / "answer_match.py"
-PEER_PYTHON = Path(os.environ.get("TRL1_PEER_PYTHON", "/tmp/trl1-peer/venv/bin/python"))
+PEER_PYTHON = Path(os.environ.get("TRL_PYTHON", "/nonexistent"))
+PEER_SCRIPT = os.environ.get("TRL_GRPO_SCRIPT", "")
 KEYS = {"bench", "model", "task", "steps", "group", "prompts_per_step", "max_new_tokens", "lr", "eval_rows",
         "accuracy", "seconds_per_step", "speedup", "trl", "machine"}
 
@@ -66,9 +67,9 @@ def test_bench_learning_ours_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PEER_PYTHON.exists(), reason=f"no TRL 1.x peer python at {PEER_PYTHON}")
+@pytest.mark.skipif(not (PEER_PYTHON.exists() and PEER_SCRIPT), reason="TRL_PYTHON and TRL_GRPO_SCRIPT not set")
 def test_bench_learning_with_peer(tmp_path: Path) -> None:
-    line = run_bench(tmp_path, "--peer-python", str(PEER_PYTHON))
+    line = run_bench(tmp_path, "--peer-python", str(PEER_PYTHON), "--peer-script", PEER_SCRIPT)
     assert line["trl"] and line["trl"].startswith("1.")
     assert 0.0 <= line["accuracy"]["peer"] <= 1.0
     assert line["seconds_per_step"]["peer"] > 0 and line["speedup"] > 0

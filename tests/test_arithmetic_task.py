@@ -56,3 +56,13 @@ def test_dataset_files_are_disjoint(tmp_path) -> None:
 
     prompts = [json.loads(line)["prompt"] for p in paths.values() for line in p.read_text().splitlines()]
     assert len(prompts) == 600 and len(set(prompts)) == 600  # about 790 distinct prompts exist
+
+
+@pytest.mark.parametrize(("response", "score"), [("52", 1.0), ("52.", 1.0), ("The larger is 52", 1.0), ("37", 0.0),
+                                                 ("37 is smaller than 52", 0.0), ("fifty-two", 0.0), ("", 0.0)])
+def test_larger_number_checker_reads_the_first_number(response: str, score: float) -> None:
+    task = get_task("larger_number")
+    prompt = "Which number is larger, 37 or 52? Answer with the number only."
+    assert task.score(prompt, response) == score
+    assert task.score(f"Human: {prompt}\n\nAssistant:", response) == score  # the rendered dialog too
+    assert task.correct_response(prompt) == "52" and task.wrong_response(prompt, random.Random(0)) == "37"

@@ -18,7 +18,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from rlhf.data.tasks.base import user_request
+from rlhf.data.tasks.base import NUMBER_ONLY, first_number_is, user_request
 from rlhf.errors import UserError
 
 NUMBER_WORDS: tuple[str, ...] = (
@@ -28,8 +28,6 @@ NUMBER_WORDS: tuple[str, ...] = (
 )
 OPERATIONS: dict[str, str] = {"plus": "+", "minus": "-", "times": "*"}
 MISTAKES: tuple[str, ...] = ("off_by_one", "off_by_two", "wrong_operation", "operand")
-SUFFIX = "Answer with the number only."
-_FIRST_NUMBER = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class ArithmeticWordsTask:
     def _prompt_re(self) -> re.Pattern[str]:
         words = "|".join(NUMBER_WORDS)
         ops = "|".join(OPERATIONS)
-        return re.compile(rf"What is ({words}) ({ops}) ({words})\? {re.escape(SUFFIX)}")
+        return re.compile(rf"What is ({words}) ({ops}) ({words})\? {re.escape(NUMBER_ONLY)}")
 
     def sample_prompt(self, rng: random.Random) -> str:
         op = rng.choice(tuple(OPERATIONS))
@@ -58,14 +56,14 @@ class ArithmeticWordsTask:
         a, b = rng.randint(0, top), rng.randint(0, top)
         if op == "minus" and b > a:
             a, b = b, a
-        return f"What is {NUMBER_WORDS[a]} {op} {NUMBER_WORDS[b]}? {SUFFIX}"
+        return f"What is {NUMBER_WORDS[a]} {op} {NUMBER_WORDS[b]}? {NUMBER_ONLY}"
 
     def operands(self, prompt: str) -> tuple[int, str, int]:
         """(a, operation, b) of a prompt (raw or rendered as a dialog); a UserError otherwise."""
         match = self._prompt_re.fullmatch(user_request(prompt))
         if match is None:
             raise UserError(f"prompt {prompt[:60]!r} is not an '{self.name}' task prompt "
-                            f"('What is <number> plus|minus|times <number>? {SUFFIX}')")
+                            f"('What is <number> plus|minus|times <number>? {NUMBER_ONLY}')")
         return NUMBER_WORDS.index(match.group(1)), match.group(2), NUMBER_WORDS.index(match.group(3))
 
     def answer(self, prompt: str) -> int:
@@ -92,8 +90,7 @@ class ArithmeticWordsTask:
 
     def score(self, prompt: str, response: str) -> float:
         """1.0 when the first number in the response is the answer, else 0.0."""
-        match = _FIRST_NUMBER.search(response)
-        return float(match is not None and int(match.group()) == self.answer(prompt))
+        return first_number_is(response, self.answer(prompt))
 
     def is_correct(self, prompt: str, response: str) -> bool:
         return self.score(prompt, response) == 1.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -51,6 +52,17 @@ class Task(Protocol):
     def is_correct(self, prompt: str, response: str) -> bool:
         """Whether `response` solves `prompt`."""
         ...
+
+
+NUMBER_ONLY = "Answer with the number only."
+"""The instruction that ends the prompts of the tasks whose answer is one number."""
+_FIRST_NUMBER = re.compile(r"-?\d+")
+
+
+def first_number_is(response: str, answer: int) -> float:
+    """1.0 when the first number in `response` is `answer` ("52", "52." and "It is 52" all count), else 0.0."""
+    match = _FIRST_NUMBER.search(response)
+    return float(match is not None and int(match.group()) == answer)
 
 
 def user_request(prompt: str) -> str:

@@ -21,12 +21,10 @@ import random
 import re
 from dataclasses import dataclass
 
-from rlhf.data.tasks.base import user_request
+from rlhf.data.tasks.base import NUMBER_ONLY, first_number_is, user_request
 from rlhf.errors import UserError
 
-SUFFIX = "Answer with the number only."
-_PROMPT = re.compile(rf"Which number is larger, (\d+) or (\d+)\? {re.escape(SUFFIX)}")
-_FIRST_NUMBER = re.compile(r"-?\d+")
+_PROMPT = re.compile(rf"Which number is larger, (\d+) or (\d+)\? {re.escape(NUMBER_ONLY)}")
 
 
 @dataclass(frozen=True)
@@ -45,14 +43,14 @@ class LargerNumberTask:
 
     def sample_prompt(self, rng: random.Random) -> str:
         a, b = rng.sample(range(self.low, self.high + 1), 2)
-        return f"Which number is larger, {a} or {b}? {SUFFIX}"
+        return f"Which number is larger, {a} or {b}? {NUMBER_ONLY}"
 
     def numbers(self, prompt: str) -> tuple[int, int]:
         """The two numbers of a prompt (raw or rendered as a dialog); a UserError otherwise."""
         match = _PROMPT.fullmatch(user_request(prompt))
         if match is None:
             raise UserError(f"prompt {prompt[:60]!r} is not a '{self.name}' task prompt "
-                            f"('Which number is larger, <a> or <b>? {SUFFIX}')")
+                            f"('Which number is larger, <a> or <b>? {NUMBER_ONLY}')")
         return int(match.group(1)), int(match.group(2))
 
     def correct_response(self, prompt: str) -> str:
@@ -64,8 +62,7 @@ class LargerNumberTask:
 
     def score(self, prompt: str, response: str) -> float:
         """1.0 when the first number in the response is the larger one, else 0.0."""
-        match = _FIRST_NUMBER.search(response)
-        return float(match is not None and int(match.group()) == max(self.numbers(prompt)))
+        return first_number_is(response, max(self.numbers(prompt)))
 
     def is_correct(self, prompt: str, response: str) -> bool:
         return self.score(prompt, response) == 1.0

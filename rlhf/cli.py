@@ -26,7 +26,8 @@ import click
 
 from rlhf import __version__, curves
 from rlhf.config import (
-    RENAMED_FIELDS, DataConfig, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields, read_config_file,
+    RENAMED_FIELDS, DataConfig, DPOConfig, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields,
+    read_config_file,
 )
 from rlhf.config_sources import ConfigSources, resolve_config
 from rlhf.errors import JobStalled, UserError, as_user_error, debug_enabled
@@ -234,6 +235,7 @@ def cli() -> None:
     rlhf sft     --model BASE --data demos.jsonl --output runs/sft
     rlhf reward  --model runs/sft/model --data pairs.jsonl --output runs/rm
     rlhf ppo     --actor runs/sft/model --reward runs/rm/model --data prompts.jsonl --output runs/ppo
+    rlhf dpo     --model runs/sft/model --data pairs.jsonl --output runs/dpo
     rlhf e2e     (all three, chained; no arguments = built-in offline demo)
     """
 
@@ -272,6 +274,14 @@ def _register_stages() -> None:
         The model is --model's backbone plus a value head; it is saved to <output>/model with its
         tokenizer (load it with rlhf.models.load_value_model). summary.json holds eval_accuracy,
         chosen_mean, rejected_mean and the training-set score_mean / score_std that PPO uses.
+        """)
+    stage_command("dpo", DPOConfig, "dpo", """
+        Offline preference optimisation (DPO, IPO, hinge, robust, SimPO, APO-zero) on preference pairs.
+
+        The policy (--model, usually an SFT model) learns from the pairs directly against a frozen
+        reference (--ref, default --model; with LoRA the model with its adapters off). --loss-type
+        names the loss as TRL does; the papers are in `--loss-type`'s help and docs/algorithms.md.
+        Writes <output>/model (Hugging Face format).
         """)
     stage_command("ppo", PPOConfig, "ppo", """
         PPO: rollouts in rollout mode, KL-penalised rewards, GAE, clipped policy and value updates.
@@ -510,7 +520,7 @@ def plan_command(name: str, config_cls: type) -> None:
 
 
 def _register_plans() -> None:
-    for name, config_cls in (("sft", SFTConfig), ("reward", RewardConfig), ("ppo", PPOConfig)):
+    for name, config_cls in (("sft", SFTConfig), ("reward", RewardConfig), ("dpo", DPOConfig), ("ppo", PPOConfig)):
         plan_command(name, config_cls)
 
 

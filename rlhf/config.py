@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from rlhf.algorithms.estimators import ESTIMATORS, AdvantageEstimator, Estimator
+from rlhf.algorithms.preference_types import LABEL_SMOOTHED, REFERENCE_FREE, PreferenceLoss
 from rlhf.config_fields import (  # re-exported: the stage configs' machinery
     FieldInfo, coerce, field_docs, fields_by_name, leaf_fields, parse_value, set_field, strip_optional,
 )
@@ -336,6 +337,62 @@ class RewardConfig(StageConfig):
 
     LoRA's adapter dropout (--lora-dropout) stays.
     """
+
+
+@dataclass
+class DPOConfig(StageConfig):
+    """Offline preference optimisation (DPO and its family) of a causal LM on preference pairs.
+
+    Defaults follow TRL's DPOConfig (beta 0.1, sigmoid loss, dropout off, a frozen reference copy).
+    """
+
+    ref: str | None = None
+    """The frozen reference policy; defaults to --model (with LoRA: --model's weights with the adapters off, no copy)."""
+    loss_type: PreferenceLoss = "sigmoid"
+    """sigmoid (DPO) arXiv:2305.18290, ipo 2310.12036, hinge (SLiC) 2305.10425, robust 2403.00409, simpo (no reference)
+    2405.14734, apo_zero 2408.06266: TRL's names.
+
+    The papers: DPO, Rafailov et al. 2023 (with --label-smoothing: conservative DPO); IPO, Azar et al.
+    2023; SLiC-HF, Zhao et al. 2023; robust DPO, Chowdhury et al. 2024; SimPO, Meng et al. 2024
+    (length-normalised, reference-free, margin --simpo-gamma); APO, D'Oosterlinck et al. 2024. The
+    formulas are in docs/algorithms.md.
+    """
+    beta: float = bounded(0.1, gt=0)
+    """The KL strength beta of the implicit reward beta x log(pi / ref) (TRL 0.1; SimPO's paper uses 2.0-2.5)."""
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    """Probability that a pair's label is flipped (sigmoid: cDPO; robust: rDPO; simpo); 0: the plain losses."""
+    simpo_gamma: float = bounded(0.5, ge=0)
+    """SimPO's target reward margin gamma (TRL's CPOConfig 0.5); only --loss-type simpo reads it."""
+    precompute_ref_logprobs: bool = False
+    """Compute the reference log-probs of every pair once before training, then free the reference model.
+
+    Saves the reference forward of every step and its memory during training; the log-probs are the ones
+    the reference computes on the fly (it is frozen), so the run is the same.
+    """
+    share_prompt_forward: bool = True
+    """Run each pair's prompt once for its chosen and rejected responses (training and reference forwards).
+
+    The prompt's keys and values are copied to both rows (engine/prompt_sharing.py); log-probs and gradients
+    are those of two plain forwards up to rounding.
+    """
+    offload_ref: bool = False
+    """Keep the frozen reference model's shards on CPU."""
+    disable_dropout: bool = True
+    """Turn off every dropout layer of the policy in training, as TRL's DPOTrainer does (the reference has none)."""
+
+    def validate(self, where: str = "config") -> None:
+        super().validate(where)
+        if self.label_smoothing > 0 and self.loss_type not in LABEL_SMOOTHED:
+            raise UserError(f"{where}: label_smoothing {self.label_smoothing} does not change loss_type "
+                            f"{self.loss_type}; use one of {sorted(LABEL_SMOOTHED)} or set it to 0")
+        if self.loss_type in REFERENCE_FREE and self.precompute_ref_logprobs:
+            raise UserError(f"{where}: precompute_ref_logprobs with loss_type {self.loss_type}, which reads no "
+                            "reference model; drop one of them")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads a reference model's log-probs (every loss type but SimPO)."""
+        return self.loss_type not in REFERENCE_FREE
 
 
 KLEstimator = Literal["k1", "k2", "k3"]

@@ -19,12 +19,14 @@ from typing import Any, Literal
 import click
 
 from rlhf.cli import cli
-from rlhf.config import SECTIONS, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields
+from rlhf.config import (
+    SECTIONS, DPOConfig, E2EConfig, FieldInfo, PPOConfig, RewardConfig, RunConfig, SFTConfig, leaf_fields,
+)
 from rlhf.engine.config import Bounds
 
-STAGES: dict[str, type] = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
-DOCUMENTED = ("sft", "reward", "ppo", "e2e", "plan sft", "plan reward", "plan ppo", "data inspect", "chat",
-              "models get", "report")
+STAGES: dict[str, type] = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig, "dpo": DPOConfig}
+DOCUMENTED = ("sft", "reward", "ppo", "dpo", "e2e", "plan sft", "plan reward", "plan ppo", "plan dpo", "data inspect",
+              "chat", "models get", "report")
 """The commands this page documents; `generate` fails on a command that is missing here."""
 
 INTRO = """\
@@ -176,12 +178,12 @@ def _heading(text: str, level: int) -> list[str]:
     return ["#" * level + " " + text, ""]
 
 
-STAGE_HEADING = "Stage commands: `rlhf sft`, `rlhf reward`, `rlhf ppo`"
+STAGE_HEADING = "Stage commands: `rlhf sft`, `rlhf reward`, `rlhf ppo`, `rlhf dpo`"
 SECTION_HEADING = "`{}` section"
 
 
 def _stage_commands() -> Iterator[list[str]]:
-    """sft, reward and ppo: the options they share and their sections once, then each one's own fields."""
+    """sft, reward, ppo and dpo: the options they share and their sections once, then each one's own fields."""
     shared = {fi.name: fi for fi in leaf_fields(RunConfig)}
     hints = typing.get_type_hints(RunConfig)
     yield _heading(STAGE_HEADING, 2)
@@ -217,7 +219,7 @@ def _e2e_command() -> Iterator[list[str]]:
 def _plan_commands() -> Iterator[list[str]]:
     own = _names("plan sft") - _names("sft")
     assert all(_names(f"plan {name}") - _names(name) == own for name in STAGES), "plan options differ by stage"
-    yield _heading("`rlhf plan sft`, `rlhf plan reward`, `rlhf plan ppo`", 2)
+    yield _heading("`rlhf plan sft`, `rlhf plan reward`, `rlhf plan ppo`, `rlhf plan dpo`", 2)
     yield command_help(_command("plan"))
     yield ["Each takes every option of its stage command (above) and these:", ""]
     yield from (option_entry(o) for o in options("plan sft") if o.name in own)

@@ -10,6 +10,8 @@ each phase's peak is the largest of a few moments of that phase, each a sum of t
 then (rlhf.engine.memory_plan counts them): what the stage logs as `peak_mem_gb_<phase>`.
 
     sft, reward   train (forward + backward + optimizer step of a micro-batch), eval
+    dpo           the same over pairs, with the frozen reference's params and its micro-batch
+                  forward (none with LoRA, SimPO or --precompute-ref-logprobs, which frees it)
     ppo           generation (rollout copy, fused decode weights, KV cache), reward (reward model
                   forward), experience (reference log-probs, critic values), training (critic and
                   actor forward/backward, optimizer steps): stages/plan_ppo.py
@@ -34,11 +36,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlhf.config import RunConfig, StageConfig
+from rlhf.config import DPOConfig, RunConfig, StageConfig
 from rlhf.engine.backends.registry import plan_backend
 from rlhf.engine.sharding import resolve_dtype
 from rlhf.engine.phase_memory import GIB, current_rss
-from rlhf.engine.memory_plan import COMPUTE_BYTES, FP32, working_set_bytes
+from rlhf.engine.memory_plan import COMPUTE_BYTES, FP32, FrozenModelMemory, working_set_bytes
 from rlhf.engine.batch_size import resolved_batch
 from rlhf.errors import UserError
 from rlhf.stages.plan_parts import (
@@ -100,20 +102,21 @@ def setting_of(config: RunConfig, world: int, device: str) -> Setting:
 
 
 def supervised_shapes(config: StageConfig, stage: str, world: int, seq_len: int | None) -> tuple[int, int, int]:
-    """(tokens per training micro-batch, evaluation micro-batch, micro-batches per step) of sft/reward:
+    """(tokens per training micro-batch, evaluation micro-batch, micro-batches per step) of sft/reward/dpo:
     micro_batch_size rows (pairs: twice as many sequences) of the padded width, a training
     micro-batch cut to --max-tokens-per-micro-batch when set; `config` resolved (`plan_config`)."""
     engine = config.engine
     assert engine.grad_accum is not None, "supervised_shapes needs the config plan_config resolved"
-    rows = engine.micro_batch_size * (2 if stage == "reward" else 1)  # a pair is two sequences
+    rows = engine.micro_batch_size * (2 if stage in ("reward", "dpo") else 1)  # a pair is two sequences
     eval_tokens = rows * (seq_len or config.data.max_seq_len)
     tokens = min(eval_tokens, config.max_tokens_per_micro_batch or eval_tokens)
     return tokens, eval_tokens, engine.grad_accum
 
 
 def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | None) -> list[PhasePlan]:
-    """sft (a causal LM and its loss over the whole sequence) or reward (a value model on pairs)."""
-    head_kind = "lm" if stage == "sft" else "value"
+    """sft (a causal LM and its loss over the whole sequence), reward (a value model on pairs) or
+    dpo (a causal LM on pairs, with its frozen reference: `reference_memory`)."""
+    head_kind = "value" if stage == "reward" else "lm"
     shape = shape_of(config.model, "--model", head_kind, config.lora, s.fuses_layers)
     m = trained(shape, config.engine.zero_stage, s)
     if seq_len is None:  # --max-seq-len, capped at the model's positions as the stage caps it
@@ -124,8 +127,15 @@ def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | 
     values = 2 * FP32 * tokens  # values [rows, T] and their fp32 copy
     head = lm_loss_bytes(tokens, shape.vocab, s.compute) if head_kind == "lm" else (values, values)
     base = {"model params": m.params, "adam": m.adam, "runtime": s.runtime}
-    phases = [peak_phase("train", train_moments(m, tokens, head, config.engine.gradient_checkpointing, accum, base,
-                                                "model"), s)]
+    ref = reference_memory(config, s) if isinstance(config, DPOConfig) else None
+    if ref is not None:
+        base["ref params"] = ref.params + ref.gathered
+    moments = train_moments(m, tokens, head, config.engine.gradient_checkpointing, accum, base, "model")
+    if ref is not None:  # its log-probs of a micro-batch, before the policy's forward
+        moments["ref forward"] = {**base, "ref gathered": ref.forward_gathered,
+                                  "ref working set": working_set_bytes(ref.shape, tokens, s.compute),
+                                  "ref head": lm_loss_bytes(tokens, shape.vocab, s.compute)[0]}
+    phases = [peak_phase("train", moments, s)]
     if config.data.eval_split > 0 or config.data.eval_data or config.data.data_test_split:
         eval_values = 2 * FP32 * eval_tokens
         logits = s.compute * eval_tokens * shape.vocab if head_kind == "lm" else eval_values
@@ -135,6 +145,18 @@ def plan_supervised(config: StageConfig, stage: str, s: Setting, seq_len: int | 
                         "working set": working_set_bytes(shape, eval_tokens, s.compute), "logits": logits},
             "loss": {**base, "model gathered": m.gathered_after_forward(), "head": loss}}, s))
     return phases
+
+
+def reference_memory(config: DPOConfig, s: Setting) -> FrozenModelMemory | None:
+    """The DPO reference as the stage holds it in training: a frozen copy of --ref (default --model)
+    at --zero-stage, or none (LoRA: the policy with its adapters off; SimPO; precomputed log-probs,
+    after which the copy is freed)."""
+    if not config.needs_reference or config.precompute_ref_logprobs:
+        return None
+    if config.lora.lora_rank and config.ref in (None, config.model):
+        return None
+    shape = shape_of(config.ref or config.model, "--ref", "lm", fuses_layers=s.fuses_layers)
+    return FrozenModelMemory(shape, config.engine.zero_stage, s.compute, s.world)
 
 
 # ------------------------------------------------------------------ the command

@@ -97,3 +97,29 @@ def collate_pairs(examples: Sequence[dict], pad_token_id: int) -> dict[str, torc
     mask = pad_right([[1] * len(s) for s in seqs], 0)
     margin = torch.tensor([float(e.get("margin", 0.0)) for e in examples])
     return {"input_ids": ids, "attention_mask": mask, "margin": margin, "num_units": torch.tensor(len(examples))}
+
+
+def collate_preference(examples: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs as 2B rows [left-padded prompt | response | right padding], chosen rows then
+    rejected rows: every prompt ends at column `response_start` (the longest prompt's length), so
+    the two rows of a pair share their first response_start columns (ids and mask) and their
+    prompt can run once (engine/prompt_sharing.py, engine/packing.py). `ref_logps` [2B] when the
+    rows carry precomputed reference log-probs (`ref_logps`: chosen, rejected)."""
+    prompts = [e["chosen_ids"][: e["prompt_len"]] for e in examples]
+    responses = ([e["chosen_ids"][e["prompt_len"]:] for e in examples]
+                 + [e["rejected_ids"][e["prompt_len"]:] for e in examples])
+    start = max(len(p) for p in prompts)
+    width = start + max(len(r) for r in responses)
+    ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(responses), width), dtype=torch.long)
+    for row, response in enumerate(responses):
+        prompt = prompts[row % len(examples)]
+        tokens = torch.tensor(prompt + response, dtype=torch.long)
+        ids[row, start - len(prompt) : start + len(response)] = tokens
+        mask[row, start - len(prompt) : start + len(response)] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "response_start": torch.tensor(start),
+             "num_units": torch.tensor(len(examples))}
+    if "ref_logps" in examples[0]:
+        batch["ref_logps"] = torch.tensor([e["ref_logps"][0] for e in examples] + [e["ref_logps"][1] for e in examples],
+                                          dtype=torch.float32)
+    return batch

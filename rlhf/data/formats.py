@@ -51,6 +51,7 @@ _MEDIA_PARTS = ("image", "image_url", "audio", "input_audio", "video", "video_ur
 STAGE_KINDS: dict[str, tuple[str, ...]] = {
     "sft": ("language modeling", "prompt-completion", "preference"),
     "reward": ("preference",),
+    "dpo": ("preference",),
     "ppo": ("prompt-only", "prompt-completion", "preference", "language modeling"),
 }
 """The dataset types each stage trains on (sft on a preference row trains on prompt + chosen; ppo
@@ -118,6 +119,7 @@ def require_kind(row: ParsedRow, stage: str, where: str) -> None:
               and not (s == "ppo" and row.text is not None)]
     wants = {"sft": "demonstrations (text, messages, prompt/completion, or pairs: prompt + chosen)",
              "reward": "preference pairs (chosen/rejected, with or without a prompt)",
+             "dpo": "preference pairs (chosen/rejected, with or without a prompt)",
              "ppo": "prompts (prompt, messages, or any row with a prompt)"}[stage]
     takes = f"; rlhf {' or rlhf '.join(takers)} takes it" if takers else ""
     raise UserError(f"{where}: a {kind} row; rlhf {stage} trains on {wants}{takes}")

@@ -25,7 +25,8 @@ from rlhf.seeding import derive_seed
 
 log = get_logger(__name__)
 
-STAGE_INDEX = {"sft": 0, "reward": 1, "ppo": 2}
+STAGE_INDEX = {"sft": 0, "reward": 1, "dpo": 1, "ppo": 2}
+"""Which --data-split share each stage takes (dpo, a preference stage, the reward stage's)."""
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
 SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")  # load_from_disk folders
 TEXT_COLUMNS = ("prompt", "completion", "response", "chosen", "rejected", "text")

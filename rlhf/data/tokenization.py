@@ -98,14 +98,15 @@ def tokenize_sft(
 
 
 def tokenize_pairs(
-    rows: list[ParsedRow], tokenizer: Any, max_seq_len: int
+    rows: list[ParsedRow], tokenizer: Any, max_seq_len: int, stage: str = "reward"
 ) -> tuple[list[dict[str, Any]], TokenizeStats]:
-    """chosen_ids / rejected_ids (prompt + response each) and an optional margin."""
+    """chosen_ids / rejected_ids (prompt + response each), prompt_len (the shared prompt's ids, the
+    first of both) and an optional margin."""
     stats = TokenizeStats()
     out = []
     for k, row in enumerate(rows):
         where = row.where
-        require_kind(row, "reward", where)
+        require_kind(row, stage, where)
         assert row.chosen is not None and row.rejected is not None
         if row.chosen == row.rejected:
             stats.dropped["chosen equals rejected"] += 1
@@ -114,7 +115,7 @@ def tokenize_pairs(
         if len(prompt) >= max_seq_len:
             stats.dropped["prompt longer than max_seq_len"] += 1
             continue
-        pair: dict[str, Any] = {}
+        pair: dict[str, Any] = {"prompt_len": len(prompt)}
         truncated = False
         for key, turns in (("chosen_ids", row.chosen), ("rejected_ids", row.rejected)):
             text = render_continuation(row.prompt, turns, tokenizer, row.tools, where)

@@ -295,10 +295,11 @@ def _register_stages() -> None:
     @config_options(E2EConfig)
     @click.pass_context
     def e2e_command(ctx: click.Context, **kwargs: Any) -> None:
-        """SFT -> reward -> PPO chained; with no arguments, the built-in offline demo on a tiny model.
+        """SFT -> reward -> PPO (or, --algorithm dpo, SFT -> DPO) chained; with no arguments, the built-in
+        offline demo on a tiny model.
 
-        Stage settings: a --config file with `sft:`, `reward:`, `ppo:` sections (top-level keys are
-        the e2e options below), or prefixed flags such as --sft.lr 1e-3 --ppo.kl-coef 0.1.
+        Stage settings: a --config file with `sft:`, `reward:`, `ppo:`, `dpo:` sections (top-level keys
+        are the e2e options below), or prefixed flags such as --sft.lr 1e-3 --ppo.kl-coef 0.1.
         Re-running skips finished stages and resumes an interrupted one.
         """
         global _output_path
@@ -460,8 +461,9 @@ def format_e2e_summary(summary: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    keys = ["advantage_estimator", "rm_eval_accuracy", "sft_task_success", "ppo_task_success", "ppo_gain_points", "sft_seconds",
-            "reward_seconds", "ppo_seconds", "eval_seconds", "total_seconds"]
+    keys = ["algorithm", "advantage_estimator", "rm_eval_accuracy", "sft_task_success", "ppo_task_success",
+            "ppo_gain_points", "dpo_task_success", "dpo_gain_points", "sft_seconds", "reward_seconds", "ppo_seconds",
+            "dpo_seconds", "eval_seconds", "total_seconds"]
     lines = [f"e2e summary ({summary.get('output')}):"]
     lines += [f"  {k:<18} {fmt(summary[k])}" for k in keys if k in summary and summary[k] is not None]
     return "\n".join(lines)

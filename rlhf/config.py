@@ -363,6 +363,15 @@ class DPOConfig(StageConfig):
     """Probability that a pair's label is flipped (sigmoid: cDPO; robust: rDPO; simpo); 0: the plain losses."""
     simpo_gamma: float = bounded(0.5, ge=0)
     """SimPO's target reward margin gamma (TRL's CPOConfig 0.5); only --loss-type simpo reads it."""
+    rpo_alpha: float = bounded(0.0, ge=0)
+    """Add alpha x the chosen response's mean token NLL to each pair's loss (RPO, arXiv:2404.19733; TRL's rpo_alpha).
+    0: off.
+
+    It keeps the chosen responses likely: DPO alone may lower the likelihood of both responses while it
+    widens their margin, and a sampled policy then drifts to answers neither response holds. TRL 1.x
+    writes it as loss_type [sigmoid, sft] with loss_weights [1, alpha]; the NLL here is each pair's
+    own mean over its chosen tokens.
+    """
     precompute_ref_logprobs: bool = False
     """Compute the reference log-probs of every pair once before training, then free the reference model.
 
@@ -757,12 +766,13 @@ class PPOConfig(RunConfig):
 
 
 E2EPreset = Literal["smollm2"]
+E2EAlgorithm = Literal["ppo", "dpo"]
 
 
 @dataclass
 class E2EConfig:
-    """`rlhf e2e`: SFT -> reward -> PPO chained. Stage settings go in the config file's `sft:`,
-    `reward:`, `ppo:` sections or in prefixed flags (`--sft.lr 1e-3`, `--ppo.kl-coef 0.1`)."""
+    """`rlhf e2e`: SFT -> reward -> PPO (or SFT -> DPO) chained. Stage settings go in the config file's
+    `sft:`, `reward:`, `ppo:`, `dpo:` sections or in prefixed flags (`--sft.lr 1e-3`, `--ppo.kl-coef 0.1`)."""
 
     preset: E2EPreset | None = None
     """A named recipe replacing the built-in defaults (flags and --config still override it): smollm2 =
@@ -804,6 +814,13 @@ class E2EConfig:
     reward_fn: list[str] = field(default_factory=list)
     """RL rewards from these functions (a task name such as sort, file.py:function, module:function) instead of the
     reward model (the reward stage is then skipped)."""
+    algorithm: E2EAlgorithm = "ppo"
+    """The stage after SFT: ppo (a reward model and PPO, or a critic-free estimator) or dpo (`rlhf dpo` on the
+    preference pairs).
+
+    dpo runs SFT -> DPO: no reward stage and no rollouts; on the built-in task the DPO stage trains on its
+    preference pairs (the reward stage's) and the summary reports dpo_task_success.
+    """
     advantage_estimator: AdvantageEstimator = "gae"
     """The RL stage's estimator (as `rlhf ppo`'s); a critic-free one on the built-in task without --reward-fn rewards
     with the task's checker.
@@ -838,6 +855,9 @@ class E2EConfig:
                      "data_columns": self.data_columns, "data_mix": self.data_mix,
                      "data_train_split": None if self.data_train_split == "train" else self.data_train_split}
         given = [name for name, value in selection.items() if value]
+        if self.algorithm == "dpo" and (self.reward_fn or self.advantage_estimator != "gae"):
+            raise UserError(f"{where}: algorithm dpo trains on preference pairs, with no rewards or advantages: "
+                            "drop reward_fn / advantage_estimator, or use algorithm ppo")
         if given and not self.data:
             raise UserError(f"{where}: {', '.join(given)} select within --data; the built-in task's files have "
                             "no splits, configs or other columns: pass --data too, or drop them")

@@ -122,7 +122,8 @@ def dpo_loss(model: nn.Module, batch: Batch, *, config: DPOConfig, ctx: Distribu
     elif reference is not None:
         budget = int(batch["attention_mask"].sum()) if pack else 0
         ref = reference_logps(reference, batch, config.share_prompt_forward, budget)
-    result = preference_loss(policy, ref, config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
+    result = preference_loss(policy, ref, config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma,
+                             config.rpo_alpha)
     return result.losses.sum(), float(result.losses.shape[0]), preference_metric_sums(result, policy)
 
 

@@ -1,4 +1,5 @@
-"""`rlhf e2e` (and scripts/e2e.py): SFT -> reward model -> PPO, each stage's model feeding the next.
+"""`rlhf e2e` (and scripts/e2e.py): SFT -> reward model -> PPO (or SFT -> DPO), each stage's model
+feeding the next.
 
     rlhf e2e                                  # built-in offline default: tiny model + `sort` task
     rlhf e2e --output runs/e2e --reward-fn sort          # PPO on the task's checker (verifiable reward)
@@ -12,9 +13,11 @@
     rlhf e2e --preset smollm2 --advantage-estimator grpo   # SmolLM2-135M-Instruct (`rlhf models get`) learns
                                               # larger_number with GRPO on the task's checker (also rloo, dr_grpo)
     rlhf e2e --preset smollm2                 # the same with a reward model and a critic (PPO)
+    rlhf e2e --algorithm dpo                  # SFT -> DPO on the task's preference pairs (no reward stage)
+    rlhf e2e --preset smollm2 --algorithm dpo
 
 Run folder: base/ (the built tiny model, or the preset's converted one), data/ (the task's jsonl
-files), sft/, reward/, ppo/ (each with the stage output contract) and summary.json. Re-running
+files), sft/, reward/, ppo/ or dpo/ (each with the stage output contract) and summary.json. Re-running
 skips stages that have DONE and resumes an interrupted stage from its latest checkpoint. All
 stages share one W&B group.
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.algorithms.estimators import ESTIMATORS
-from rlhf.config import DataConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config import DataConfig, DPOConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig
 from rlhf.config_sources import ConfigSources, resolve_config
 from rlhf.data.tasks import DATASET_FILES, get_task, write_task_dataset
 from rlhf.ds_config import import_ds_config
@@ -41,6 +44,7 @@ from rlhf.models.loading import check_model_files
 from rlhf.models.tiny import save_tiny_model
 from rlhf.output_lock import lock_output, release_output
 from rlhf.outputs import create_folder, is_done, read_summary, refuse_links_out, write_json_atomic
+from rlhf.stages import dpo as dpo_stage
 from rlhf.stages import ppo as ppo_stage
 from rlhf.stages import reward as reward_stage
 from rlhf.stages import sft as sft_stage
@@ -49,7 +53,7 @@ from rlhf.trl_config import E2E_WIRED, import_trl_config
 
 log = get_logger(__name__)
 
-STAGES: dict[str, type] = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
+STAGES: dict[str, type] = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig, "dpo": DPOConfig}
 
 
 # preset -> the `rlhf models get` name of its base model.
@@ -80,21 +84,21 @@ def resolve_e2e_config(sources: ConfigSources) -> E2EConfig:
 
 def default_stage_configs(cfg: E2EConfig) -> dict[str, Any]:
     """Each stage's e2e defaults: the preset's, or the built-in tiny default's."""
-    sft, reward, ppo = SFTConfig(), RewardConfig(), PPOConfig()
-    for stage in (sft, reward, ppo):
+    sft, reward, ppo, dpo = SFTConfig(), RewardConfig(), PPOConfig(), DPOConfig()
+    for stage in (sft, reward, ppo, dpo):
         stage.engine.seed = cfg.seed
         stage.engine.optimizer_impl = "auto"
         stage.tracking.report_to = cfg.report_to
         stage.tracking.wandb_project = cfg.wandb_project
         stage.data.max_seq_len = 64
     if cfg.preset == "smollm2":
-        smollm2_stage_settings(sft, reward, ppo)
+        smollm2_stage_settings(sft, reward, ppo, dpo)
     else:
-        tiny_stage_settings(sft, reward, ppo)
-    return {"sft": sft, "reward": reward, "ppo": ppo}
+        tiny_stage_settings(sft, reward, ppo, dpo)
+    return {"sft": sft, "reward": reward, "ppo": ppo, "dpo": dpo}
 
 
-def tiny_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig) -> None:
+def tiny_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig, dpo: DPOConfig) -> None:
     """Tuned so the built-in default (tiny model, `sort` task) learns in minutes on a 2-core CPU."""
     # Measured on the `sort` task (see rlhf/data/tasks/sort.py): ~1000 SFT steps give T=1 success
     # ~0.6; the reward model needs ~1000 steps of fresh pairs to also catch letters that are not in
@@ -107,9 +111,10 @@ def tiny_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig) ->
     ppo.engine.lr, ppo.critic_lr, ppo.engine.micro_batch_size = 1e-4, 5e-4, 64
     ppo.engine.lr_scheduler, ppo.kl_coef, ppo.ppo_epochs = "constant", 0.1, 2
     ppo.engine.train_batch_size = None
+    dpo.max_steps, dpo.engine.lr, dpo.engine.micro_batch_size, dpo.engine.warmup_steps = 300, 1e-4, 32, 10
 
 
-def smollm2_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig) -> None:
+def smollm2_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig, dpo: DPOConfig) -> None:
     """SmolLM2-135M-Instruct on larger_number, sized for minutes on 2 CPU cores (float32).
 
     64 SFT demonstrations (a wrong_fraction share of them the smaller number) teach the answer
@@ -126,6 +131,8 @@ def smollm2_stage_settings(sft: SFTConfig, reward: RewardConfig, ppo: PPOConfig)
     ppo.engine.lr, ppo.critic_lr, ppo.engine.micro_batch_size = 2e-5, 2e-5, 32
     ppo.engine.lr_scheduler, ppo.kl_coef, ppo.ppo_epochs = "constant", 0.05, 1
     ppo.engine.train_batch_size = None
+    dpo.epochs = 1
+    dpo.engine.lr, dpo.engine.micro_batch_size, dpo.engine.warmup_steps = 2e-5, 8, 2
 
 
 def split_stage_sections(mapping: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -176,7 +183,8 @@ def parse_prefixed_flags(args: list[str]) -> dict[str, dict[str, str]]:
         arg = args[i]
         stage, _, key = arg.removeprefix("--").partition(".")
         if not arg.startswith("--") or stage not in STAGES or not key:
-            raise UserError(f"unexpected argument {arg!r}; stage options are given as --sft.X, --reward.X or --ppo.X")
+            raise UserError(f"unexpected argument {arg!r}; stage options are given as --sft.X, --reward.X, --ppo.X or "
+                            "--dpo.X")
         if "=" in key:
             key, value = key.split("=", 1)
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):
@@ -228,6 +236,8 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
     reward.model, reward.output = str(run_dir / "sft" / "model"), str(run_dir / "reward")
     ppo.actor, ppo.output = str(run_dir / "sft" / "model"), str(run_dir / "ppo")
     ppo.reward = str(run_dir / "reward" / "model")
+    dpo = stages["dpo"]
+    dpo.model, dpo.output = str(run_dir / "sft" / "model"), str(run_dir / "dpo")
     ppo.advantage_estimator = cfg.advantage_estimator
     if ppo.critic_free:
         critic_free_settings(cfg, ppo)
@@ -239,6 +249,7 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
     if paths is not None:
         sft.data.data = [str(paths["sft"])]
         reward.data.data, reward.data.eval_data = [str(paths["pairs"])], [str(paths["eval_pairs"])]
+        dpo.data.data, dpo.data.eval_data = [str(paths["pairs"])], [str(paths["eval_pairs"])]
         ppo.data.data, ppo.data.eval_data = [str(paths["prompts"])], [str(paths["eval_prompts"])]
         ppo.eval_reward_fn, ppo.eval_interval = [cfg.task], 10  # the learning curve: held-out success, greedy
         ppo.eval_max_new_tokens = cfg.eval_max_new_tokens
@@ -246,7 +257,7 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
         for name, stage in stages.items():
             share_data_selection(cfg, stage.data, test_split=name != "ppo")
         if cfg.data_test_split is None:
-            reward.data.eval_split = 0.05
+            reward.data.eval_split = dpo.data.eval_split = 0.05
     return stages
 
 
@@ -363,16 +374,20 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
         stage.tracking.wandb_group = stage.tracking.wandb_group or group
     paths = task_files(cfg, run_dir)
     seconds = {"sft_seconds": run_stage("sft", sft, sft_stage, ctx)}
-    trains_reward_model = not reward_functions(cfg)
-    if trains_reward_model:
-        seconds["reward_seconds"] = run_stage("reward", reward, reward_stage, ctx)
-    seconds["ppo_seconds"] = run_stage("ppo", ppo, ppo_stage, ctx)
-
     summary: dict[str, Any] = {"output": str(run_dir), "task": None if cfg.data else cfg.task,
-                               "reward_fn": reward_functions(cfg), "advantage_estimator": cfg.advantage_estimator,
-                               "wandb_group": group}
-    if trains_reward_model:
-        summary["rm_eval_accuracy"] = read_summary(reward.output).get("eval_accuracy")
+                               "algorithm": cfg.algorithm, "wandb_group": group}
+    if cfg.algorithm == "dpo":
+        seconds["dpo_seconds"] = run_stage("dpo", stages["dpo"], dpo_stage, ctx)
+        dpo_summary = read_summary(stages["dpo"].output)
+        summary.update({f"dpo_{key}": dpo_summary.get(key) for key in ("eval_rewards/accuracies", "eval_loss")})
+    else:
+        trains_reward_model = not reward_functions(cfg)
+        if trains_reward_model:
+            seconds["reward_seconds"] = run_stage("reward", reward, reward_stage, ctx)
+        seconds["ppo_seconds"] = run_stage("ppo", ppo, ppo_stage, ctx)
+        summary.update(reward_fn=reward_functions(cfg), advantage_estimator=cfg.advantage_estimator)
+        if trains_reward_model:
+            summary["rm_eval_accuracy"] = read_summary(reward.output).get("eval_accuracy")
     if paths is not None:
         t0 = time.perf_counter()
         summary.update(measure_success(cfg, run_dir, paths["eval_prompts"], ctx))
@@ -389,16 +404,18 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
 
 def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: DistributedContext) -> dict[str, float]:
     """Task success on the held-out prompts (greedy at --eval-temperature 0, else sampled with one seed
-    for every model) of the base, the SFT and the PPO model, each with its standard error."""
+    for every model) of the base, the SFT and the aligned (PPO or DPO) model, each with its standard
+    error, and the aligned model's gain over SFT in points (`ppo_gain_points` / `dpo_gain_points`)."""
     task = get_task(cfg.task)
     prompts = [json.loads(line)["prompt"] for line in eval_prompts.read_text().splitlines() if line.strip()]
-    models = {"base": base_model(cfg, run_dir), **{name: str(run_dir / name / "model") for name in ("sft", "ppo")}}
+    final = cfg.algorithm
+    models = {"base": base_model(cfg, run_dir), **{name: str(run_dir / name / "model") for name in ("sft", final)}}
     result: dict[str, float] = {"eval_prompts": float(len(prompts)), "eval_temperature": cfg.eval_temperature}
     for name, folder in models.items():
         success = task_success(folder, task, prompts, ctx, cfg.eval_temperature, cfg.eval_max_new_tokens, seed=cfg.seed)
         result[f"{name}_task_success"] = success
         result[f"{name}_task_success_se"] = (success * (1.0 - success) / max(len(prompts), 1)) ** 0.5
-    result["ppo_gain_points"] = 100.0 * (result["ppo_task_success"] - result["sft_task_success"])
+    result[f"{final}_gain_points"] = 100.0 * (result[f"{final}_task_success"] - result["sft_task_success"])
     return result
 
 

@@ -414,6 +414,9 @@ def run_training(
     bar = tqdm(total=total_steps, initial=engine.global_step, desc=stage, disable=not ctx.is_main, dynamic_ncols=True)
     memory = PhaseMemory(ctx.device)  # peak_mem_gb_train / _eval (engine/phase_memory.py)
     started = time.perf_counter()
+    # elapsed_s: training wall time (evaluation excluded), carried across a resume.
+    elapsed_before = float(result.last_metrics.get("elapsed_s", 0.0))
+    eval_seconds = 0.0
     epoch = start_epoch
     # The losses pack their forwards where that runs fewer tokens (sft, reward with --pack-sequences).
     packed = config.pack_sequences and packing_unsupported_reason(engine.model, ctx.device) is None
@@ -432,6 +435,7 @@ def run_training(
                                      packed=packed)
             metrics.update(memory.metrics(ctx.all_reduce_max))
             backend_for(ctx.device).after_step()  # the CPU's: the heap pages later steps would fault in one by one
+            metrics["elapsed_s"] = elapsed_before + time.perf_counter() - started - eval_seconds
             gs = engine.global_step
             result.last_metrics = metrics
             if gs % config.tracking.log_interval == 0 or gs == total_steps:
@@ -439,8 +443,10 @@ def run_training(
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
             if eval_fn is not None and config.eval_interval > 0 and gs % config.eval_interval == 0 and gs < total_steps:
+                eval_started = time.perf_counter()
                 with memory.phase("eval"):
                     eval_metrics = eval_fn()
+                eval_seconds += time.perf_counter() - eval_started
                 tracker.log({**{f"eval_{k}": v for k, v in eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
                             step=gs)
             done = gs >= total_steps

@@ -84,3 +84,10 @@ def test_gradient_of_dpo_pushes_chosen_up_and_rejected_down() -> None:
     # dL/dc = -beta x s(-beta delta): pair 1 -0.5 x 0.2689414, pair 2 -0.5 x 0.4378235
     assert chosen.grad.tolist() == pytest.approx([-0.1344707, -0.2189118], abs=1e-6)
     assert rejected.grad.tolist() == pytest.approx([0.1344707, 0.2189118], abs=1e-6)
+
+
+def test_rpo_adds_the_chosen_mean_token_nll() -> None:
+    # alpha 0.5 x (-(-1) / 2, -(-2) / 1) = (0.25, 1.0) on top of DPO's loss
+    result = preference_loss(POLICY, REFERENCE, "sigmoid", BETA, rpo_alpha=0.5)
+    assert result.losses.tolist() == pytest.approx([L1 + 0.25, L025 + 1.0], abs=1e-6)
+    assert result.chosen_rewards.tolist() == pytest.approx([0.5, 0.0])  # the rewards stay DPO's

@@ -18,6 +18,11 @@ delta = c - r:
 
 (s the logistic function, b beta, e label smoothing, n the responses' token counts, lp the policy's
 summed log-probs). The rewards are b c and b r; SimPO's are b lp_w / n_w and b lp_l / n_l.
+
+With `rpo_alpha` > 0 each pair's loss adds alpha x the chosen response's mean token NLL,
+-lp_w / n_w (RPO, Pang et al. 2024, arXiv:2404.19733; TRL's rpo_alpha, in TRL 1.x the loss list
+[<type>, sft] weighted [1, alpha]): it keeps the chosen responses likely, where DPO alone can lower
+both responses' likelihood while it widens their margin.
 """
 
 from __future__ import annotations
@@ -54,9 +59,21 @@ def _smoothed_logistic(logits: torch.Tensor, label_smoothing: float) -> torch.Te
 
 
 def preference_loss(policy: PairLogps, reference: PairLogps | None, loss_type: PreferenceLoss, beta: float,
-                    label_smoothing: float = 0.0, simpo_gamma: float = 0.5) -> PreferenceLossResult:
-    """The `loss_type` loss of each pair (module docstring); `reference` is the reference model's
-    log-probs of the same responses (None only for the reference-free loss types)."""
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                    rpo_alpha: float = 0.0) -> PreferenceLossResult:
+    """The `loss_type` loss of each pair (module docstring), plus `rpo_alpha` x the chosen response's
+    mean token NLL; `reference` is the reference model's log-probs of the same responses (None
+    only for the reference-free loss types)."""
+    result = _pair_loss(policy, reference, loss_type, beta, label_smoothing, simpo_gamma)
+    if rpo_alpha == 0:
+        return result
+    chosen_nll = -policy.chosen / policy.chosen_tokens.clamp(min=1)
+    return PreferenceLossResult(result.losses + rpo_alpha * chosen_nll, result.chosen_rewards, result.rejected_rewards)
+
+
+def _pair_loss(policy: PairLogps, reference: PairLogps | None, loss_type: PreferenceLoss, beta: float,
+               label_smoothing: float, simpo_gamma: float) -> PreferenceLossResult:
+    """The `loss_type` loss of each pair and the implicit rewards (module docstring)."""
     if loss_type == "simpo":
         chosen_avg = policy.chosen / policy.chosen_tokens.clamp(min=1)
         rejected_avg = policy.rejected / policy.rejected_tokens.clamp(min=1)

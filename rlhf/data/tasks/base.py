@@ -29,7 +29,11 @@ DATASET_FILES: tuple[str, ...] = (
 
 @runtime_checkable
 class Task(Protocol):
-    """A verifiable task: prompts, a correct answer, plausible wrong answers and a checker."""
+    """A verifiable task: prompts, a correct answer, plausible wrong answers and a checker.
+
+    A task may also define `rejected_response(prompt, rng)`, the rejected answers of its preference
+    pairs where they should differ from the wrong demonstrations (`build_preference_rows`).
+    """
 
     name: str
 
@@ -126,13 +130,15 @@ def build_sft_rows(
 def build_preference_rows(
     task: Task, n: int, seed: int, exclude: set[str] | None = None, what: str = "pairs"
 ) -> list[dict[str, str]]:
-    """`n` preference pairs {prompt, chosen, rejected}: chosen correct, rejected a plausible mistake.
+    """`n` preference pairs {prompt, chosen, rejected}: chosen correct, rejected a plausible mistake
+    (the task's `rejected_response` where it has one, else its `wrong_response`).
 
     `what` names the seeded stream, so that two files of pairs from one seed differ.
     """
     rng = _file_rng(seed, what)
+    rejected = getattr(task, "rejected_response", task.wrong_response)
     return [
-        {"prompt": p, "chosen": task.correct_response(p), "rejected": task.wrong_response(p, rng)}
+        {"prompt": p, "chosen": task.correct_response(p), "rejected": rejected(p, rng)}
         for p in sample_unique_prompts(task, n, rng, exclude)
     ]
 

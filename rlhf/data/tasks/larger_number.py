@@ -60,6 +60,17 @@ class LargerNumberTask:
         """The smaller number: the mistake a model that has not compared them makes half the time."""
         return str(min(self.numbers(prompt)))
 
+    def rejected_response(self, prompt: str, rng: random.Random) -> str:
+        """A preference pair's rejected answer: half the time the smaller number, else a number of
+        the range that is not in the question. Against the smaller number alone a reward model
+        ranks every pair right by preferring larger numbers whatever the question says, and PPO
+        then learns to answer large numbers that are not in it (measured: SFT 0.62 -> 0.30)."""
+        a, b = self.numbers(prompt)
+        if rng.random() < 0.5:
+            return str(min(a, b))
+        others = [n for n in range(self.low, self.high + 1) if n not in (a, b)]
+        return str(rng.choice(others))
+
     def score(self, prompt: str, response: str) -> float:
         """1.0 when the first number in the response is the larger one, else 0.0."""
         return first_number_is(response, max(self.numbers(prompt)))

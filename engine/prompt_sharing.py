@@ -104,6 +104,13 @@ def shared_prompt_logprobs(model: nn.Module, sequences: torch.Tensor, attention_
     return logprobs, entropy
 
 
+def sharing_pays(parameters: int, saved_tokens: int, min_saved_gflop: float) -> bool:
+    """Whether running shared prompts once saves at least `min_saved_gflop` GFLOP (2 x parameters
+    FLOPs per token not run): sharing runs two forwards (the prompts, then the responses) where the
+    plain path runs one, and each forward has a fixed cost of op dispatch."""
+    return 2.0 * parameters * saved_tokens >= min_saved_gflop * 1e9
+
+
 def padded_forward_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> int:
     """Tokens one padded forward over these rows runs (rows x width without all-padding columns),
     each shared prompt (first `shared_prefix` columns, rows that share them) counted once."""
@@ -123,4 +130,5 @@ def response_prefix(action_mask: torch.Tensor) -> int:
     return int(has_action.float().argmax())
 
 
-__all__ = ["padded_forward_tokens", "prompt_groups", "response_logprobs", "response_prefix", "shared_prompt_logprobs"]
+__all__ = ["padded_forward_tokens", "prompt_groups", "response_logprobs", "response_prefix",
+           "shared_prompt_logprobs", "sharing_pays"]

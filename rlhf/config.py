@@ -379,10 +379,20 @@ class DPOConfig(StageConfig):
     the reference computes on the fly (it is frozen), so the run is the same.
     """
     share_prompt_forward: bool = True
-    """Run each pair's prompt once for its chosen and rejected responses (training and reference forwards).
+    """Run each pair's prompt once for its chosen and rejected responses (training and reference forwards), where it
+    pays (--share-prompt-min-gflop).
 
     The prompt's keys and values are copied to both rows (engine/prompt_sharing.py); log-probs and gradients
     are those of two plain forwards up to rounding.
+    """
+    share_prompt_min_gflop: float = bounded(0.2, ge=0)
+    """Share a micro-batch's prompts only where that saves at least this many GFLOP (2 x parameters per token); 0:
+    always.
+
+    Sharing runs two forwards (the prompts, then the responses) where the plain path runs one, and a
+    forward has a fixed cost of op dispatch: about 2.5 ms for a 2-layer, 64-wide Llama on a CPU, some
+    0.2 GFLOP at two cores' speed. Measured on such a model (8 pairs, prompts of ~25 tokens): 12.9 ms a
+    step shared, 10.7 ms plain; on SmolLM2-135M sharing saves half the tokens.
     """
     offload_ref: bool = False
     """Keep the frozen reference model's shards on CPU."""

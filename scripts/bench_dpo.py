@@ -4,7 +4,7 @@ after the other in one invocation; prints one JSON line last with the pairs/s of
     # tiny model (the SFT model of a tiny e2e run), pairs of the built-in `sort` task
     rlhf e2e --output runs/e2e --advantage-estimator grpo --reward-fn sort --n-sft 1000 \\
         --n-prompts 64 --n-eval-prompts 64 --ppo.max-steps 1 --report-to none
-    python scripts/bench_dpo.py --model runs/e2e/sft/model --task sort --out runs/bench_dpo_tiny --peer-trl
+    python scripts/bench_dpo.py --model runs/e2e/sft/model --task sort --steps 60 --out runs/bench_dpo_tiny --peer-trl
 
     # SmolLM2-135M-Instruct on larger_number pairs
     rlhf models get smollm2-135m-instruct --output models/smollm2
@@ -36,12 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_learning  # noqa: E402
 from bench_learning import last_json_line, machine, rounded, run_logged, thread_env  # noqa: E402
 
 DEFAULT_PEER_PYTHON = os.environ.get("TRL_PYTHON")  # a python with trl 1.16
@@ -50,6 +52,9 @@ DEFAULT_PEER_SCRIPT = os.environ.get("TRL_DPO_SCRIPT")  # TRL's side: a DPOTrain
 
 def log(message: str) -> None:
     print(f"[bench_dpo] {message}", file=sys.stderr, flush=True)
+
+
+bench_learning.log = log  # run_logged's lines name this benchmark
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -113,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for side in ("ours", "peer"):  # each run starts fresh
+        shutil.rmtree(out / side, ignore_errors=True)
     pairs = out / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in conversational_pairs(args.task, args.steps * args.batch,
                                                                                 args.seed)))

@@ -24,6 +24,7 @@ held-out pairs) -> export of <output>/model (Hugging Face format) -> summary.jso
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -40,7 +41,9 @@ from rlhf.engine.adapters import AdaptersOffReference
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
 from rlhf.engine.packing import packed_logprobs, packs_fewer_tokens
-from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, shared_prompt_logprobs
+from rlhf.engine.prompt_sharing import (
+    padded_forward_tokens, response_logprobs, shared_prompt_logprobs, sharing_pays,
+)
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
 from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
@@ -71,21 +74,48 @@ def pair_logps(logprobs: torch.Tensor, attention_mask: torch.Tensor, response_st
     return PairLogps(sums[:n], sums[n:], tokens[:n], tokens[n:])
 
 
-def policy_logprobs(model: nn.Module, batch: Batch, share: bool, pack: bool,
-                    ctx: DistributedContext) -> torch.Tensor:
-    """The policy's log-probs [2B, T-1] of the response tokens (the LM head runs only there): one
-    packed forward where `pack` and it runs fewer tokens, else each pair's prompt once (`share`),
-    else one plain forward. Every rank takes the same path: a packed or plain forward is one FSDP2
-    forward, the shared-prompt one two, and sharded ranks must run as many."""
+@dataclass(frozen=True)
+class ForwardPlan:
+    """How a micro-batch's forwards run: each pair's prompt once (`share`; the policy's and the
+    reference's forwards) and the policy's forward packed (`packed`)."""
+
+    share: bool
+    packed: bool
+
+
+def all_ranks_agree(flag: bool, ctx: DistributedContext) -> bool:
+    """True when `flag` holds on every rank (one small all_reduce on several ranks)."""
+    if ctx.world_size == 1:
+        return flag
+    return not bool(ctx.all_reduce_max(torch.tensor(int(not flag))))
+
+
+def forward_plan(model: nn.Module, batch: Batch, config: DPOConfig, ctx: DistributedContext, pack: bool,
+                 parameters: int) -> ForwardPlan:
+    """Share the prompts where --share-prompt-forward asks and that saves at least
+    --share-prompt-min-gflop (`sharing_pays`: a model of `parameters`), pack where `pack` and that runs
+    fewer tokens. Every rank takes the same forward count: a shared forward is two FSDP2 forwards,
+    a packed or plain one one, and sharded ranks must run as many."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     start = int(batch["response_start"])
+    saved = padded_forward_tokens(ids, mask, 0) - padded_forward_tokens(ids, mask, start)
+    share = all_ranks_agree(config.share_prompt_forward and sharing_pays(parameters, saved, config.share_prompt_min_gflop),
+                            ctx)
     prefix = start if share else 0
     packed = pack and packs_fewer_tokens(model, ids, mask, padded_forward_tokens(ids, mask, prefix), prefix)
-    if share and ctx.world_size > 1:
-        packed = not bool(ctx.all_reduce_max(torch.tensor(int(not packed))))
-    if packed:
-        return packed_logprobs(model, ids, mask, start, int(mask.sum()), shared_prefix=prefix)[0]
     if share:
+        packed = all_ranks_agree(packed, ctx)
+    return ForwardPlan(share, packed)
+
+
+def policy_logprobs(model: nn.Module, batch: Batch, plan: ForwardPlan) -> torch.Tensor:
+    """The policy's log-probs [2B, T-1] of the response tokens (the LM head runs only there), as
+    `plan` says: one packed forward, each pair's prompt once, or one plain forward."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    start = int(batch["response_start"])
+    if plan.packed:
+        return packed_logprobs(model, ids, mask, start, int(mask.sum()), shared_prefix=start if plan.share else 0)[0]
+    if plan.share:
         return shared_prompt_logprobs(model, ids, mask, start)[0]
     return response_logprobs(model, ids, mask, start)[0]
 
@@ -107,21 +137,21 @@ def precomputed_logps(batch: Batch, policy: PairLogps) -> PairLogps:
 
 
 def dpo_loss(model: nn.Module, batch: Batch, *, config: DPOConfig, ctx: DistributedContext,
-             reference: FrozenModel | None, pack: bool) -> tuple[torch.Tensor, float, dict[str, float]]:
+             reference: FrozenModel | None, pack: bool, parameters: int) -> tuple[torch.Tensor, float, dict[str, float]]:
     """The preference loss SUMMED over the batch's pairs, the pair count, and TRL's pair metrics as
     sums (`preference_metric_sums`). The reference's log-probs come precomputed from the batch, from
-    `reference`, or not at all (SimPO)."""
+    `reference`, or not at all (SimPO). `parameters`: the policy's, for `forward_plan`."""
     # Inputs go to the compute device explicitly: with offload the params live on the CPU.
     batch = {k: v.to(ctx.device) for k, v in batch.items()}
     start = int(batch["response_start"])
-    policy = pair_logps(policy_logprobs(model, batch, config.share_prompt_forward, pack, ctx),
-                        batch["attention_mask"], start)
+    plan = forward_plan(model, batch, config, ctx, pack, parameters)
+    policy = pair_logps(policy_logprobs(model, batch, plan), batch["attention_mask"], start)
     ref = None
     if "ref_logps" in batch:
         ref = precomputed_logps(batch, policy)
     elif reference is not None:
         budget = int(batch["attention_mask"].sum()) if pack else 0
-        ref = reference_logps(reference, batch, config.share_prompt_forward, budget)
+        ref = reference_logps(reference, batch, plan.share, budget)
     result = preference_loss(policy, ref, config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma,
                              config.rpo_alpha)
     return result.losses.sum(), float(result.losses.shape[0]), preference_metric_sums(result, policy)
@@ -204,7 +234,8 @@ def run(config: DPOConfig) -> dict[str, Any]:
 
     tracker, checkpointer = open_run(config, ctx, output, "dpo")
     pack = bool(config.pack_sequences and config.max_tokens_per_micro_batch)
-    loss_fn = partial(dpo_loss, config=config, ctx=ctx, reference=reference, pack=pack)
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    loss_fn = partial(dpo_loss, config=config, ctx=ctx, reference=reference, pack=pack, parameters=parameters)
 
     def eval_fn() -> dict[str, float]:
         return evaluate(engine, eval_rows, collate, loss_fn)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,9 +28,11 @@ from rlhf.data.tasks import SortTask, build_preference_rows
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.tiny import save_tiny_model
-from rlhf.stages.dpo import load_preference_rows, pair_logps, policy_logprobs
+from rlhf.stages.dpo import ForwardPlan, load_preference_rows, pair_logps, policy_logprobs
 
-COMMON = ["--report-to", "none", "--optimizer-impl", "torch", "--dtype", "fp32", "--zero-stage", "3"]
+# --share-prompt-min-gflop 0: a tiny model's forwards share every pair's prompt (the path under test).
+COMMON = ["--report-to", "none", "--optimizer-impl", "torch", "--dtype", "fp32", "--zero-stage", "3",
+          "--share-prompt-min-gflop", "0"]
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
 
@@ -107,11 +108,10 @@ def test_shared_prompt_forward_equals_two_forwards(base_model: Path) -> None:
     batch = collate_preference(rows, pad_token_id=0)
     assert int(batch["response_start"]) == 7 and batch["input_ids"].shape == (6, 13)
     expected = _two_forward_logps(model, rows)
-    ctx = SimpleNamespace(world_size=1)
     grads = {}
     for share in (True, False):
         model.zero_grad()
-        logps = pair_logps(policy_logprobs(model, batch, share, False, ctx), batch["attention_mask"], 7)  # type: ignore[arg-type]
+        logps = pair_logps(policy_logprobs(model, batch, ForwardPlan(share, False)), batch["attention_mask"], 7)
         got = torch.cat([logps.chosen, logps.rejected])
         assert got.tolist() == pytest.approx(expected.tolist(), abs=2e-5), share
         assert logps.chosen_tokens.tolist() == [3, 1, 6] and logps.rejected_tokens.tolist() == [5, 2, 3]
@@ -261,3 +261,22 @@ def test_help_explains_every_flag_and_names_the_papers() -> None:
         assert info.doc and " ".join(info.doc.split())[:40] in text, flag
     for paper in ("2305.18290", "2310.12036", "2305.10425", "2403.00409", "2405.14734", "2408.06266"):
         assert paper in text, paper
+
+
+def test_prompts_are_shared_only_where_that_saves_compute(base_model: Path) -> None:
+    from types import SimpleNamespace
+
+    from rlhf.stages.dpo import forward_plan
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    rows = [{"prompt_len": 20, "chosen_ids": list(range(5, 25)) + [30, 31], "rejected_ids": list(range(5, 25)) + [32]}]
+    batch = collate_preference(rows * 4, pad_token_id=0)
+    ctx = SimpleNamespace(world_size=1)
+    parameters = sum(p.numel() for p in model.parameters())  # ~30k: sharing 80 prompt tokens saves ~5 MFLOP
+    default = DPOConfig()
+    assert not forward_plan(model, batch, default, ctx, False, parameters).share  # type: ignore[arg-type]
+    always = DPOConfig(share_prompt_min_gflop=0.0)
+    assert forward_plan(model, batch, always, ctx, False, parameters).share  # type: ignore[arg-type]
+    assert forward_plan(model, batch, default, ctx, False, 10**9).share  # type: ignore[arg-type]  # a 1B model
+    never = DPOConfig(share_prompt_forward=False, share_prompt_min_gflop=0.0)
+    assert not forward_plan(model, batch, never, ctx, False, 10**9).share  # type: ignore[arg-type]

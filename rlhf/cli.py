@@ -229,7 +229,7 @@ def package_version() -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_version(), "--version", "-V", prog_name="rlhf", message="%(prog)s %(version)s")
 def cli() -> None:
-    """rlhf: SFT, reward-model training and PPO on one hybrid FSDP2 engine.
+    """rlhf: SFT, reward-model training, PPO and DPO on one hybrid FSDP2 engine.
 
     \b
     rlhf sft     --model BASE --data demos.jsonl --output runs/sft
@@ -427,7 +427,7 @@ def _data_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @data_group.command("inspect")
-@click.option("--stage", type=click.Choice(["sft", "reward", "ppo"]), required=True,
+@click.option("--stage", type=click.Choice(["sft", "reward", "dpo", "ppo"]), required=True,
               help="The stage whose view to show.")
 @click.option("--model", "model", required=True, help="The model whose tokenizer renders the rows (ppo: the actor).")
 @click.option("--rows", "rows", type=click.IntRange(min=0), default=3, show_default=True, help="Rows to show.")

@@ -25,7 +25,7 @@ from rlhf.data.tokenization import (
 from rlhf.models.checks import fit_max_seq_len
 from rlhf.models.loading import load_tokenizer
 
-Stage = Literal["sft", "reward", "ppo"]
+Stage = Literal["sft", "reward", "dpo", "ppo"]
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧ around trained text in the plain view
 
 
@@ -52,7 +52,7 @@ def describe_row(row: ParsedRow, stage: Stage, tokenizer: Any, data: DataConfig,
         ids, trained = encode_pieces(pieces, tokenizer)
         return {**head, "pieces": _pieces_json(pieces), "tokens": len(ids), "trained_tokens": sum(trained),
                 "truncated": len(ids) > data.max_seq_len}
-    if stage == "reward":
+    if stage in ("reward", "dpo"):  # the same pairs, tokenized alike
         assert row.chosen is not None and row.rejected is not None
         prompt = render_prompt(row.prompt, tokenizer, row.tools, row.where)
         chosen = render_continuation(row.prompt, row.chosen, tokenizer, row.tools, row.where)
@@ -80,8 +80,8 @@ def inspect_data(stage: Stage, model: str, data: DataConfig, rows: int, max_prom
         if stage == "sft":
             out, stats = tokenize_sft(parsed, tokenizer, data.max_seq_len, data.train_on_prompt,
                                       data.train_last_turn_only)
-        elif stage == "reward":
-            out, stats = tokenize_pairs(parsed, tokenizer, data.max_seq_len)
+        elif stage in ("reward", "dpo"):
+            out, stats = tokenize_pairs(parsed, tokenizer, data.max_seq_len, stage=stage)
         else:
             out, stats = tokenize_prompts(parsed, tokenizer, max_prompt_len)
         kept = set(stats.kept_indices)

@@ -66,3 +66,25 @@ def test_larger_number_checker_reads_the_first_number(response: str, score: floa
     assert task.score(prompt, response) == score
     assert task.score(f"Human: {prompt}\n\nAssistant:", response) == score  # the rendered dialog too
     assert task.correct_response(prompt) == "52" and task.wrong_response(prompt, random.Random(0)) == "37"
+
+
+def test_larger_number_pairs_reject_numbers_outside_the_question_too() -> None:
+    """Against the smaller number alone a reward model can rank every pair right by preferring large
+    numbers; half the rejected answers are numbers of the range that the question does not hold."""
+    from rlhf.data.tasks import build_preference_rows
+
+    task = get_task("larger_number")
+    rows = build_preference_rows(task, 400, seed=0)
+    outside = 0
+    for row in rows:
+        a, b = task.numbers(row["prompt"])
+        assert row["chosen"] == str(max(a, b)) and task.score(row["prompt"], row["rejected"]) == 0.0
+        if int(row["rejected"]) not in (a, b):
+            outside += 1
+            assert task.low <= int(row["rejected"]) <= task.high
+        else:
+            assert row["rejected"] == str(min(a, b))
+    assert 150 <= outside <= 250
+    # The wrong SFT demonstrations stay the smaller number.
+    rng = __import__("random").Random(0)
+    assert all(task.wrong_response(r["prompt"], rng) == str(min(task.numbers(r["prompt"]))) for r in rows)

@@ -135,3 +135,27 @@ def test_smollm2_preset_runs_every_stage_on_the_real_model(tmp_path, capsys, est
     held_out = [r for r in map(json.loads, (out / "ppo" / "metrics.jsonl").read_text().splitlines())
                 if "eval/larger_number" in r]
     assert [r["step"] for r in held_out] == [0, 1]  # before training and after the last step
+
+
+def test_reduced_e2e_with_dpo_chains_sft_and_dpo(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["e2e", "--algorithm", "dpo", "--output", str(out), "--tiny-hidden-size", "32", "--n-sft", "64",
+          "--n-pairs", "64", "--n-eval-pairs", "16", "--n-eval-prompts", "16", "--report-to", "none",
+          "--sft.max-steps", "4", "--sft.micro-batch-size", "16", "--dpo.max-steps", "3", "--dpo.micro-batch-size", "8"])
+    printed = capsys.readouterr().out
+    assert "dpo_task_success" in printed and "ppo_task_success" not in printed
+    assert (out / "sft" / "DONE").is_file() and (out / "dpo" / "DONE").is_file()
+    assert not (out / "reward").exists() and not (out / "ppo").exists()  # no reward stage, no rollouts
+    import yaml
+
+    dpo_cfg = yaml.safe_load((out / "dpo" / "config.yaml").read_text())
+    assert dpo_cfg["model"] == str(out / "sft" / "model") and dpo_cfg["rpo_alpha"] == 1.0
+    assert dpo_cfg["data"]["data"] == [str(out / "data" / "pairs.jsonl")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "dpo" and 0.0 <= summary["dpo_task_success"] <= 1.0
+    assert summary["dpo_gain_points"] == pytest.approx(
+        100 * (summary["dpo_task_success"] - summary["sft_task_success"]))
+    assert {"dpo_seconds", "dpo_eval_rewards/accuracies"} <= summary.keys()
+    with pytest.raises(SystemExit) as exc:  # DPO has no rewards to take
+        main(["e2e", "--algorithm", "dpo", "--reward-fn", "sort", "--output", str(tmp_path / "bad")])
+    assert exc.value.code == 2 and "algorithm dpo trains on preference pairs" in capsys.readouterr().err

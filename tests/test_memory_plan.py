@@ -247,6 +247,20 @@ def test_plan_holds_no_reference_without_a_kl_term(capsys: pytest.CaptureFixture
     assert logged["ref params"] > 0
 
 
+def test_dpo_plan_holds_the_reference_only_where_the_stage_keeps_one(capsys: pytest.CaptureFixture) -> None:
+    """A frozen reference copy by default; none with LoRA (adapters off), SimPO or precomputed log-probs."""
+    common = ["plan", "dpo", "--model", "tiny", "--device", "cpu", "--baseline-gb", "0", "--micro-batch-size", "4",
+              "--seq-len", "64"]
+    train = {}
+    for name, extra in (("copy", []), ("lora", ["--lora-rank", "4"]), ("simpo", ["--loss-type", "simpo"]),
+                        ("precomputed", ["--precompute-ref-logprobs"])):
+        main([*common, *extra])
+        train[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["phases"]["train"]["components_gb"]
+    assert train["copy"]["ref params"] == pytest.approx(train["copy"]["model params"])  # fp32: the same bytes
+    for name in ("lora", "simpo", "precomputed"):
+        assert not any(k.startswith("ref ") for k in train[name]), name
+
+
 def test_plan_rejects_a_missing_model(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "sft", "--model", str(tmp_path / "nowhere")])

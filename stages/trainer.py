@@ -443,12 +443,7 @@ def run_training(
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
             if eval_fn is not None and config.eval_interval > 0 and gs % config.eval_interval == 0 and gs < total_steps:
-                eval_started = time.perf_counter()
-                with memory.phase("eval"):
-                    eval_metrics = eval_fn()
-                eval_seconds += time.perf_counter() - eval_started
-                tracker.log({**{f"eval_{k}": v for k, v in eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
-                            step=gs)
+                eval_seconds += logged_evaluation(eval_fn, memory, tracker, ctx, gs)[1]
             done = gs >= total_steps
             # Every rank stops after the same step (one small all_reduce); after the last, the run finishes.
             signum = None if done else agreed_stop(ctx)
@@ -466,8 +461,16 @@ def run_training(
     result.global_step = engine.global_step
     result.train_seconds = time.perf_counter() - started
     if eval_fn is not None:
-        with memory.phase("eval"):
-            result.eval_metrics = eval_fn()
-        tracker.log({**{f"eval_{k}": v for k, v in result.eval_metrics.items()}, **memory.metrics(ctx.all_reduce_max)},
-                    step=engine.global_step)
+        result.eval_metrics = logged_evaluation(eval_fn, memory, tracker, ctx, engine.global_step)[0]
     return result
+
+
+def logged_evaluation(eval_fn: Callable[[], dict[str, float]], memory: PhaseMemory, tracker: Tracker,
+                      ctx: DistributedContext, step: int) -> tuple[dict[str, float], float]:
+    """Run `eval_fn` as the eval phase, log its metrics as eval_* with the phase's memory; returns
+    the metrics and the seconds it took."""
+    started = time.perf_counter()
+    with memory.phase("eval"):
+        metrics = eval_fn()
+    tracker.log({**{f"eval_{k}": v for k, v in metrics.items()}, **memory.metrics(ctx.all_reduce_max)}, step=step)
+    return metrics, time.perf_counter() - started

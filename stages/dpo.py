@@ -34,9 +34,6 @@ from torch import nn
 from rlhf.algorithms.preference import PairLogps, preference_loss, preference_metric_sums
 from rlhf.config import DPOConfig
 from rlhf.data.batching import collate_preference
-from rlhf.data.formats import ParsedRow
-from rlhf.data.stage_rows import load_stage_rows
-from rlhf.data.tokenization import TokenizeStats, tokenize_pairs
 from rlhf.engine.adapters import AdaptersOffReference
 from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.inference import FrozenModel
@@ -46,13 +43,13 @@ from rlhf.engine.prompt_sharing import (
 )
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
-from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
-from rlhf.models.loading import deferred_causal_lm, disable_dropout, load_tokenizer
+from rlhf.models.loading import deferred_causal_lm, disable_dropout
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.stages.trainer import (
     Batch, engine_summary, evaluate, evaluation_batches, finish_stage, open_run, plan_total_steps, run_training,
-    start_stage,
+    stage_tokenizer, start_stage,
 )
+from rlhf.stages.reward import load_pair_rows
 
 log = get_logger(__name__)
 
@@ -157,20 +154,6 @@ def dpo_loss(model: nn.Module, batch: Batch, *, config: DPOConfig, ctx: Distribu
     return result.losses.sum(), float(result.losses.shape[0]), preference_metric_sums(result, policy)
 
 
-def load_preference_rows(config: DPOConfig, tokenizer: Any,
-                         max_seq_len: int) -> tuple[list[dict], list[dict], dict[str, int]]:
-    """Tokenized (train, eval) pairs of this stage's share of every --data source, and the counts."""
-    def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
-        return tokenize_pairs(parsed, tokenizer, max_seq_len, stage="dpo")
-
-    rows = load_stage_rows(
-        config.data, "dpo", config.engine.seed, tokenize,
-        empty="no usable preference pairs (see the counts above); rows need prompt/chosen/rejected, "
-              "chosen/rejected dialogs or chat messages, with chosen != rejected",
-    )
-    return rows.train, rows.eval, rows.stats
-
-
 def build_reference(config: DPOConfig, ctx: DistributedContext, engine: TrainEngine) -> tuple[FrozenModel | None, str]:
     """The frozen reference (None for SimPO) and how it is held, for the log and the summary. It
     answers a whole micro-batch in one forward (micro-batches of every step's rows at most), so
@@ -208,10 +191,8 @@ def run(config: DPOConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
     config, output = start_stage(config, ctx, "dpo")  # the batch arithmetic resolved
 
-    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
-    check_tokenizer_fits(tokenizer, config.model, "--model")
-    max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
-    train_rows, eval_rows, data_stats = load_preference_rows(config, tokenizer, max_seq_len)
+    tokenizer, max_seq_len = stage_tokenizer(config)
+    train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer, max_seq_len, stage="dpo")
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 
     model, weights = deferred_causal_lm(config.model)  # on meta: each rank reads only its shards

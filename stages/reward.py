@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rlhf.algorithms.losses import pairwise_reward_loss
-from rlhf.config import RewardConfig
+from rlhf.config import RewardConfig, StageConfig
 from rlhf.data.batching import collate_pairs
 from rlhf.data.stage_rows import load_stage_rows
 from rlhf.data.formats import ParsedRow
@@ -39,12 +39,12 @@ from rlhf.engine.micro_batches import padded_tokens
 from rlhf.engine.packing import packed_scores, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
-from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
-from rlhf.models.loading import disable_dropout, load_tokenizer
+from rlhf.models.loading import disable_dropout
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.models.value_model import deferred_value_model_from
 from rlhf.stages.trainer import (
-    engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, start_stage,
+    engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, stage_tokenizer,
+    start_stage,
 )
 from rlhf.tracking import Tracker
 
@@ -97,15 +97,15 @@ def score_statistics(metrics: dict[str, float]) -> dict[str, float]:
     return {"score_mean": mean, "score_std": math.sqrt(variance)}
 
 
-def load_pair_rows(config: RewardConfig, tokenizer: Any,
-                   max_seq_len: int | None = None) -> tuple[list[dict], list[dict], dict[str, int]]:
-    """Tokenized (train, eval) pairs of this stage's share of every --data source, each sequence
-    cut at `max_seq_len` (default --max-seq-len), and the counts."""
+def load_pair_rows(config: StageConfig, tokenizer: Any, max_seq_len: int | None = None,
+                   stage: str = "reward") -> tuple[list[dict], list[dict], dict[str, int]]:
+    """Tokenized (train, eval) pairs of `stage`'s share of every --data source (reward, dpo), each
+    sequence cut at `max_seq_len` (default --max-seq-len), and the counts."""
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[dict], TokenizeStats]:
-        return tokenize_pairs(parsed, tokenizer, max_seq_len or config.data.max_seq_len)
+        return tokenize_pairs(parsed, tokenizer, max_seq_len or config.data.max_seq_len, stage=stage)
 
     rows = load_stage_rows(
-        config.data, "reward", config.engine.seed, tokenize,
+        config.data, stage, config.engine.seed, tokenize,
         empty="no usable preference pairs (see the counts above); rows need prompt/chosen/rejected, "
               "chosen/rejected dialogs or chat messages, with chosen != rejected",
     )
@@ -150,9 +150,7 @@ def run(config: RewardConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
     config, output = start_stage(config, ctx, "reward")  # the batch arithmetic resolved
 
-    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
-    check_tokenizer_fits(tokenizer, config.model, "--model")
-    max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
+    tokenizer, max_seq_len = stage_tokenizer(config)
     train_rows, eval_rows, data_stats = load_pair_rows(config, tokenizer, max_seq_len)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows), unit="pairs")
 

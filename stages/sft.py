@@ -26,11 +26,11 @@ from rlhf.engine.micro_batches import padded_tokens
 from rlhf.engine.packing import packed_logprobs, packs_fewer_tokens
 from rlhf.engine.train_engine import TrainEngine
 from rlhf.logging import get_logger
-from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
-from rlhf.models.loading import deferred_causal_lm, load_tokenizer
+from rlhf.models.loading import deferred_causal_lm
 from rlhf.models.lora import export_trained_model, with_lora
 from rlhf.stages.trainer import (
-    engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, start_stage,
+    engine_summary, evaluate, finish_stage, open_run, plan_total_steps, run_training, stage_tokenizer,
+    start_stage,
 )
 
 log = get_logger(__name__)
@@ -76,9 +76,7 @@ def run(config: SFTConfig) -> dict[str, Any]:
     ctx = DistributedContext.initialize()
     config, output = start_stage(config, ctx, "sft")  # the batch arithmetic resolved
 
-    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
-    check_tokenizer_fits(tokenizer, config.model, "--model")
-    max_seq_len = fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
+    tokenizer, max_seq_len = stage_tokenizer(config)
     train_rows, eval_rows, data_stats = load_sft_rows(config, tokenizer, max_seq_len)
     plan, total_steps = plan_total_steps(len(train_rows), config, ctx.world_size, len(eval_rows))
     model, weights = deferred_causal_lm(config.model)  # on meta: each rank reads only its shards

@@ -36,6 +36,8 @@ from rlhf.config import RunConfig, StageConfig, to_dict
 from rlhf.data.batching import BatchPlan
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
+from rlhf.models.checks import check_tokenizer_fits, fit_max_seq_len
+from rlhf.models.loading import load_tokenizer
 from rlhf.output_lock import release_output
 from rlhf.outputs import (
     RESUME_SAFE_FIELDS, config_as_saved, is_done, mark_done, prepare_output, read_saved_config, read_summary,
@@ -218,6 +220,14 @@ def stop_for_signal(ctx: DistributedContext, tracker: Tracker, stage: str, signu
     tracker.finish()
     mark_stopped(signum)
     raise Preempted(signum)
+
+
+def stage_tokenizer(config: StageConfig) -> tuple[Any, int]:
+    """--model's tokenizer (with --chat-template), checked against the model, and --max-seq-len
+    capped at the model's positions: what sft, reward and dpo tokenize their rows with."""
+    tokenizer = load_tokenizer(config.model, chat_template=config.data.chat_template)
+    check_tokenizer_fits(tokenizer, config.model, "--model")
+    return tokenizer, fit_max_seq_len(config.data.max_seq_len, config.model, "--model")
 
 
 def plan_total_steps(num_rows: int, config: StageConfig, world_size: int, num_eval: int = 0,

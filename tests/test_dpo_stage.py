@@ -28,7 +28,8 @@ from rlhf.data.tasks import SortTask, build_preference_rows
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.tiny import save_tiny_model
-from rlhf.stages.dpo import ForwardPlan, load_preference_rows, pair_logps, policy_logprobs
+from rlhf.stages.dpo import ForwardPlan, pair_logps, policy_logprobs
+from rlhf.stages.reward import load_pair_rows
 
 # --share-prompt-min-gflop 0: a tiny model's forwards share every pair's prompt (the path under test).
 COMMON = ["--report-to", "none", "--optimizer-impl", "torch", "--dtype", "fp32", "--zero-stage", "3",
@@ -143,7 +144,7 @@ def test_learns_the_preference_with_trl_metrics(base_model: Path, sort_pairs: Pa
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).eval()
     config = DPOConfig(model=str(base_model), output=str(out))
     config.data.data, config.data.eval_split = [str(sort_pairs)], 0.2
-    _, eval_rows, _ = load_preference_rows(config, load_tokenizer(str(out / "model")), 256)
+    _, eval_rows, _ = load_pair_rows(config, load_tokenizer(str(out / "model")), 256, stage="dpo")
     with torch.no_grad():
         policy, ref = _two_forward_logps(model, eval_rows), _two_forward_logps(base, eval_rows)
     n = len(eval_rows)

@@ -39,6 +39,7 @@ from rlhf.engine.distributed import DistributedContext
 from rlhf.engine.sharding import COMPUTE_DTYPES
 from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.fast_decode import share_fused_storage
+from rlhf.engine.multi_turn import Respond, TurnsOutput, generate_turns
 from rlhf.engine.generation import GenerationOutput, generate
 from rlhf.engine.inference import causal_lm_logprobs
 from rlhf.engine.adapters import merged_parameters
@@ -244,6 +245,15 @@ class Rollout:
         sampling: one prefill per unique prompt, sum(counts) output rows)."""
         out = generate(self.model, input_ids, attention_mask, params, generator, samples_per_prompt=samples_per_prompt)
         log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
+        if self.checks_parity and self.parity_max_diff is None:
+            self.check_parity(out)
+        return out
+
+    def generate_turns(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator | None, respond: Respond,
+                       samples_per_prompt: int | torch.Tensor = 1) -> TurnsOutput:
+        """`engine.multi_turn.generate_turns` on the rollout model: turns answered by `respond`."""
+        out = generate_turns(self.model, input_ids, attention_mask, params, generator, respond, samples_per_prompt)
         if self.checks_parity and self.parity_max_diff is None:
             self.check_parity(out)
         return out

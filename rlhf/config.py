@@ -458,6 +458,24 @@ class PPOConfig(RunConfig):
     one cancelled. One stuck in C code that never returns to Python cannot be stopped: the run then ends
     5 s later with the same line (exit code 2).
     """
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call in its rollouts: path/to/file.py:fn1,fn2 or module:fn1,fn2 (TRL's tools=).
+
+    Plain functions, sync or async, with type hints and a Google-style docstring; their JSON schemas
+    (transformers' get_json_schema) are rendered into every prompt by the chat template, which must render
+    tools. A rollout then runs turns: generate until EOS, run the turn's tool calls, append their responses
+    as tokens, generate again (docs/tools.md).
+    """
+    environment: str | None = None
+    """TRL's environment_factory: path/to/file.py:Class; one instance per rollout, its public methods the tools.
+
+    reset(**row) returns None or text appended to the last user message; an optional get_reward() is a
+    reward source named after the class (weight 1 unless --reward-weights says otherwise).
+    """
+    max_tool_calls: int = bounded(8, ge=1)
+    """Turns with tool calls a rollout may make; the turn after the last one answers without running its calls."""
+    tool_timeout: float = bounded(30.0, ge=0)
+    """Seconds a tool call may take; a call past it answers the model with a timeout error. 0: no limit."""
     advantage_estimator: AdvantageEstimator = "gae"
     """gae: PPO with a critic; grpo, dr_grpo: group-normalised scores; rloo: leave-one-out baseline;
     reinforce_pp(_baseline): REINFORCE++. Only gae trains a critic.

@@ -36,7 +36,7 @@ from rlhf.user_code import GRACE_S
 
 # The keyword arguments TRL passes besides the data columns (a column of one of these names is
 # shadowed by it, as in TRL).
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 # Columns of the logged sample table that a log_extra column may not replace.
 SAMPLE_COLUMNS = ("prompt", "response", "score")
 
@@ -116,6 +116,10 @@ class RewardBatch:
     conversational: list[bool] | None = None
     completion_ids: list[list[int]] | None = None
     trainer_state: RewardTrainerState | None = None
+    trajectories: list[list[Message]] | None = None
+    """A tool rollout's turns after each prompt (assistant turns with their tool calls, tool messages)."""
+    environments: list[Any] | None = None
+    """A tool rollout's --environment instance of each row (TRL's `environments` argument)."""
     log: RewardLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,9 +153,12 @@ class RewardBatch:
         return [[dict(m) for m in p] if chat else prompt_text(p) for p, chat in zip(self.prompts, self.conversational)]
 
     def trl_completions(self) -> list[str | list[Message]]:
-        """TRL's `completions`: `[{"role": "assistant", "content": text}]` for a conversational row,
-        the text for a standard one."""
+        """TRL's `completions`: `[{"role": "assistant", "content": text}]` for a conversational row
+        (every turn of a tool rollout, tool messages included), the text for a standard one."""
         assert self.conversational is not None
+        if self.trajectories is not None:
+            return [[dict(m) for m in t] if chat else r
+                    for t, r, chat in zip(self.trajectories, self.responses, self.conversational)]
         return [[{"role": "assistant", "content": r}] if chat else r
                 for r, chat in zip(self.responses, self.conversational)]
 

@@ -57,31 +57,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
-import importlib.util
 import inspect
-import itertools
 import math
 import numbers
-import re
-import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlhf.data.tasks import TASKS
 from rlhf.errors import UserError, debug_enabled
 from rlhf.reward_batch import TRL_ARGUMENTS, RewardBatch, prompt_text, run_concurrently
-from rlhf.user_code import CallTimedOut, UserCall, bounded_await, user_call
+from rlhf.user_code import CallTimedOut, UserCall, bounded_await, import_user_module, user_call
 
 SPEC_FORMS = "a built-in task name ({tasks}), path/to/file.py:function or package.module:function"
 
 # A parameter of one of these names makes a function TRL-style.
 TRL_DATA_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids"})
-
-_module_ids = itertools.count()
 
 Score = float | None  # None: the function leaves the sample unscored
 
@@ -165,7 +157,10 @@ class RewardFunction:
             "prompts": batch.trl_prompts, "completions": batch.trl_completions,
             "completion_ids": lambda: batch.completion_ids, "trainer_state": lambda: batch.trainer_state,
             "log_extra": lambda: batch.log.extra_logger(where), "log_metric": lambda: batch.log.metric_logger(where),
+            "environments": lambda: batch.environments,
         }
+        if batch.environments is None:  # as TRL: only a run with an --environment passes them
+            del trl["environments"]
         arguments.update({k: make() for k, make in trl.items() if k in wanted})
         kwargs = self._accepted(arguments)
         missing = sorted(self.required - kwargs.keys())
@@ -245,12 +240,7 @@ def load_reward_function(spec: str) -> RewardFunction:
     where, _, attribute = spec.rpartition(":")
     if not where or not attribute or not all(part.isidentifier() for part in attribute.split(".")):
         raise UserError(f"--reward-fn {spec!r}: expected {forms}")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _import_file(Path(where), spec)
-    elif all(part.isidentifier() for part in where.split(".")):
-        module = _import_module(where, spec)
-    else:
-        raise UserError(f"--reward-fn {spec!r}: {where!r} is neither a .py file nor a module name; expected {forms}")
+    module = import_user_module(where, spec, "--reward-fn", forms)
     fn: Any = module
     for part in attribute.split("."):
         if not hasattr(fn, part):
@@ -310,39 +300,6 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _import_file(path: Path, spec: str) -> Any:
-    """Import a .py file by its path, under a module name of its own (two files called
-    rewards.py never clash, nor shadow an installed `rewards` module)."""
-    if not path.is_file():
-        raise UserError(f"--reward-fn {spec}: no file {path} (path relative to {Path.cwd()})")
-    name = f"_rlhf_reward_fn_{next(_module_ids)}_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"--reward-fn {spec}: {path} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling in the file look their module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # sys.exit() at import would end the run silently
-        del sys.modules[name]
-        if debug_enabled():
-            raise
-        raise UserError(f"--reward-fn {spec}: importing {path} failed: {type(exc).__name__}: "
-                        f"{_one_line(str(exc), 200)} (RLHF_DEBUG=1 shows the traceback)") from exc
-    return module
-
-
-def _import_module(module: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except (Exception, SystemExit) as exc:
-        if debug_enabled():
-            raise
-        hint = " (is it installed, or on PYTHONPATH?)" if isinstance(exc, ModuleNotFoundError) else ""
-        raise UserError(f"--reward-fn {spec}: importing module {module} failed: {type(exc).__name__}: "
-                        f"{_one_line(str(exc), 200)}{hint}") from exc
 
 
 def _one_line(text: str, limit: int) -> str:

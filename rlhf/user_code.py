@@ -22,7 +22,11 @@ function raises there is its own; `bounded_await` bounds an awaited call on the 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
+import itertools
 import os
+import re
 import signal
 import sys
 import threading
@@ -31,10 +35,11 @@ from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import FrameType
+from pathlib import Path
+from types import FrameType, ModuleType
 from typing import Any, TypeVar
 
-from rlhf.errors import UserError
+from rlhf.errors import UserError, debug_enabled
 
 T = TypeVar("T")
 
@@ -231,4 +236,54 @@ async def bounded_await(awaitable: Awaitable[T], timeout: float | None) -> T:
         handle.cancel()
 
 
-__all__ = ["CallTimedOut", "DEADLINE_SIGNAL", "GRACE_S", "UserCall", "bounded_await", "end_process", "user_call"]
+_module_ids = itertools.count()
+
+
+def import_user_module(where: str, spec: str, flag: str, forms: str) -> ModuleType:
+    """The module `where` of a user's `spec` (`flag` names the option in errors; `forms` what it
+    takes): a .py file imported by its path, under a module name of its own (two files called
+    rewards.py never clash, nor shadow an installed `rewards` module), or an importable module."""
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return _import_file(Path(where), spec, flag)
+    if all(part.isidentifier() for part in where.split(".")):
+        return _import_module(where, spec, flag)
+    raise UserError(f"{flag} {spec!r}: {where!r} is neither a .py file nor a module name; expected {forms}")
+
+
+def _import_file(path: Path, spec: str, flag: str) -> ModuleType:
+    if not path.is_file():
+        raise UserError(f"{flag} {spec}: no file {path} (path relative to {Path.cwd()})")
+    name = f"_rlhf_user_{next(_module_ids)}_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"{flag} {spec}: {path} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling in the file look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # sys.exit() at import would end the run silently
+        del sys.modules[name]
+        if debug_enabled():
+            raise
+        raise UserError(f"{flag} {spec}: importing {path} failed: {type(exc).__name__}: "
+                        f"{_one_line(str(exc), 200)} (RLHF_DEBUG=1 shows the traceback)") from exc
+    return module
+
+
+def _import_module(module: str, spec: str, flag: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except (Exception, SystemExit) as exc:
+        if debug_enabled():
+            raise
+        hint = " (is it installed, or on PYTHONPATH?)" if isinstance(exc, ModuleNotFoundError) else ""
+        raise UserError(f"{flag} {spec}: importing module {module} failed: {type(exc).__name__}: "
+                        f"{_one_line(str(exc), 200)}{hint}") from exc
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["CallTimedOut", "import_user_module", "DEADLINE_SIGNAL", "GRACE_S", "UserCall", "bounded_await", "end_process", "user_call"]

@@ -49,6 +49,8 @@ from rlhf.models.value_model import deferred_load_value_model
 from rlhf.reward_batch import RewardBatch, RewardTrainerState, run_concurrently
 from rlhf.reward_functions import RewardFunction, Score, load_reward_functions, prompt_text
 from rlhf.stages.rollouts import Rollouts
+from rlhf.tools import call_reward
+from rlhf.engine.prompt_sharing import response_prefix
 
 log = get_logger(__name__)
 
@@ -119,6 +121,21 @@ class FunctionRewardSource:
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
               shared_prefix: int = 0) -> torch.Tensor:
         return scores_tensor(self.function(batch), sequences.device)
+
+
+@dataclass
+class EnvironmentRewardSource:
+    """An --environment's get_reward(), called once per finished rollout on its own instance (TRL's);
+    raw scores, NaN where it returned None."""
+
+    name: str
+    normalization: tuple[float, float] | None = None
+
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, batch: RewardBatch,
+              shared_prefix: int = 0) -> torch.Tensor:
+        if batch.environments is None:
+            raise ValueError("an environment reward needs the rollouts' environments")
+        return scores_tensor([call_reward(e) for e in batch.environments], sequences.device)
 
 
 def scores_tensor(values: list[Score], device: torch.device | str) -> torch.Tensor:
@@ -226,8 +243,12 @@ def rollout_batch(rollouts: Rollouts, state: RewardTrainerState | None = None) -
     """The reward functions' view of this rank's rollouts: messages, responses, data columns,
     conversational flags and each response's token ids (up to and including EOS, as TRL's)."""
     sequences, action = rollouts.sequences.cpu(), rollouts.action_mask.cpu()
+    if rollouts.trajectories is not None:  # a tool rollout's: its tool responses' tokens too, as TRL's
+        start, attention = response_prefix(action), rollouts.attention_mask.cpu().bool()
+        action = attention & (torch.arange(action.shape[1]) >= start)
     ids = [s[a].tolist() for s, a in zip(sequences, action)]
-    return RewardBatch(rollouts.prompts, rollouts.responses, rollouts.fields, rollouts.conversational, ids, state)
+    return RewardBatch(rollouts.prompts, rollouts.responses, rollouts.fields, rollouts.conversational, ids, state,
+                       rollouts.trajectories, rollouts.environments)
 
 
 def reward_metrics(components: dict[str, torch.Tensor], logged: dict[str, list[float]], ctx: DistributedContext,
@@ -296,30 +317,38 @@ def warn_if_degenerate(reward_path: str, score_std: float, where: str) -> bool:
     return True
 
 
-def check_reward_sources(config: PPOConfig) -> list[RewardFunction]:
+def check_reward_sources(config: PPOConfig, environment_reward: str | None = None) -> list[RewardFunction]:
     """Load every --reward-fn (files, modules and functions checked) and check --reward-weights'
-    count, before any model is loaded; the functions go to `build_reward_source`."""
-    functions = load_reward_functions(config.reward_fn, reserved=[REWARD_MODEL])
+    count, before any model is loaded; the functions go to `build_reward_source`.
+    `environment_reward`: the name of an --environment's get_reward source (the last one)."""
+    functions = load_reward_functions(config.reward_fn, reserved=[REWARD_MODEL, *filter(None, [environment_reward])])
     for function in functions:
         function.timeout = config.reward_timeout or None
     names = ([REWARD_MODEL] if config.reward else []) + [f.name for f in functions]
+    names += [environment_reward] if environment_reward else []
     if not names:
         raise UserError("no reward source: pass --reward (a reward model folder) and/or --reward-fn "
-                        "(a built-in task, path/to/file.py:function or package.module:function)")
+                        "(a built-in task, path/to/file.py:function or package.module:function), or an "
+                        "--environment with get_reward()")
     if config.reward_weights and len(config.reward_weights) != len(names):
         raise UserError(f"--reward-weights {','.join(f'{w:g}' for w in config.reward_weights)}: "
                         f"{len(config.reward_weights)} weights for {len(names)} reward sources ({', '.join(names)}); "
-                        "give one weight per source, the --reward model first, then each --reward-fn in order")
+                        "give one weight per source, the --reward model first, then each --reward-fn in order, "
+                        "then the --environment's get_reward")
     return functions
 
 
 def build_reward_source(config: PPOConfig, ctx: DistributedContext, tokenizer: Any, dtype: str,
-                        functions: list[RewardFunction] | None = None) -> WeightedReward:
-    """The weighted reward over the --reward model (when given) and each --reward-fn in order.
-    `functions`: from `check_reward_sources` (loaded again here when None)."""
+                        functions: list[RewardFunction] | None = None,
+                        environment_reward: str | None = None) -> WeightedReward:
+    """The weighted reward over the --reward model (when given), each --reward-fn in order and the
+    --environment's get_reward (`environment_reward`: its source name). `functions`: from
+    `check_reward_sources` (loaded again here when None)."""
     if functions is None:
-        functions = check_reward_sources(config)
+        functions = check_reward_sources(config, environment_reward)
     sources: list[RewardSource] = [FunctionRewardSource(f) for f in functions]
+    if environment_reward:
+        sources.append(EnvironmentRewardSource(environment_reward))
     if config.reward:
         sources.insert(0, build_reward_model_source(config, ctx, tokenizer, dtype))
     weights = list(config.reward_weights) or [1.0] * len(sources)
@@ -344,7 +373,7 @@ def build_reward_model_source(config: PPOConfig, ctx: DistributedContext, tokeni
 
 
 __all__ = [
-    "DEGENERATE_SCORE_STD", "REWARD_MODEL", "FunctionRewardSource", "RewardModelSource", "RewardSource",
+    "DEGENERATE_SCORE_STD", "REWARD_MODEL", "EnvironmentRewardSource", "FunctionRewardSource", "RewardModelSource", "RewardSource",
     "WeightedReward", "build_reward_model_source", "build_reward_source", "check_reward_sources", "normalized",
     "reward_metrics", "reward_statistics", "rollout_batch", "scores_tensor", "warn_if_degenerate",
 ]

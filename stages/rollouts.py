@@ -44,6 +44,8 @@ class Rollouts:
     logprobs: torch.Tensor | None = None  # [B, T] float32: generation's log-prob of each response token, 0 elsewhere
     conversational: list[bool] | None = None  # each row's prompt came as chat messages (None: none did)
     extra: dict[str, list[Any]] | None = None  # the reward functions' log_extra columns, one value per row
+    trajectories: list[list[Message]] | None = None  # a tool rollout's turns after each prompt
+    environments: list[Any] | None = None  # a tool rollout's --environment instance of each row
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -104,6 +106,9 @@ def merge_rollouts(parts: list[Rollouts], pad_token_id: int) -> Rollouts:
             setattr(merged, name, torch.cat([getattr(p, name) for p in parts]))
     if all(p.logprobs is not None for p in parts):
         merged.logprobs = torch.cat([_pad_left_columns(p.logprobs, width - p.sequences.shape[1], 0.0) for p in parts])
+    for name in ("trajectories", "environments"):
+        if all(getattr(p, name) is not None for p in parts):
+            setattr(merged, name, [x for p in parts for x in getattr(p, name)])
     if all(p.components is not None for p in parts):
         merged.components = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
     columns = dict.fromkeys(k for p in parts for k in (p.extra or {}))
@@ -142,7 +147,8 @@ def gather_rollouts(rollouts: Rollouts, ctx: DistributedContext, pad_token_id: i
     """Every rank's rollouts, in rank order (= slot order), on every rank."""
     if ctx.world_size == 1:
         return rollouts
-    parts = ctx.all_gather_object(moved(rollouts, "cpu"))
+    # Environments stay on their rank (they may not pickle): their rewards are in the scores already.
+    parts = ctx.all_gather_object(replace(moved(rollouts, "cpu"), environments=None))
     return moved(merge_rollouts(parts, pad_token_id), rollouts.sequences.device)
 
 

@@ -136,9 +136,10 @@ def tokenize_pairs(
 
 
 def tokenize_prompts(
-    rows: list[ParsedRow], tokenizer: Any, max_prompt_len: int
+    rows: list[ParsedRow], tokenizer: Any, max_prompt_len: int, tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[list[int]], TokenizeStats]:
-    """Prompt ids for generation; prompts over max_prompt_len are dropped and counted."""
+    """Prompt ids for generation; prompts over max_prompt_len are dropped and counted. `tools`: the
+    schemas of the tools the policy may call (rendered instead of a row's own `tools` column)."""
     stats = TokenizeStats()
     out = []
     for k, row in enumerate(rows):
@@ -146,7 +147,7 @@ def tokenize_prompts(
         require_kind(row, "ppo", where)
         prompt = row.generation_prompt
         assert prompt is not None
-        ids = encode_prompt(render_prompt(prompt, tokenizer, row.tools, where), tokenizer)
+        ids = encode_prompt(render_prompt(prompt, tokenizer, tools or row.tools, where), tokenizer)
         if len(ids) > max_prompt_len:
             stats.dropped["prompt longer than max_prompt_len"] += 1
             continue

@@ -46,10 +46,10 @@ def run(config: PPOConfig) -> dict[str, Any]:
     """Train the actor (and critic) with PPO; collective: every rank calls it. Returns the summary."""
     ctx = DistributedContext.initialize()
     select_backend(ctx.device, config.cpu, config.cuda)  # before check_config allocates: malloc tuning starts early
-    functions = check_config(config, ctx)
+    functions, tools = check_config(config, ctx)
     config, output = start_stage(config, ctx, "ppo", **default_minibatch(config, ctx.world_size))  # resolved
     check_batch_arithmetic(config, ctx)
-    trainer = PPOTrainer(config, ctx, output, functions)
+    trainer = PPOTrainer(config, ctx, output, functions, tools)
     trainer.train()
     return trainer.finish()
 

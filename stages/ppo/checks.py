@@ -13,27 +13,32 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.value_model import check_reward_model_dir, value_model_kind
 from rlhf.reward_functions import RewardFunction
 from rlhf.stages.reward_sources import check_reward_sources
+from rlhf.stages.tool_rollouts import ToolSetup, load_tool_setup
 
 
-def check_config(config: PPOConfig, ctx: DistributedContext) -> list[RewardFunction]:
-    """Flags PPO cannot run without, the model folders and reward functions (loaded here, before
-    any model) and the TP size. Returns the reward functions. (Whether a rollout fits the model is
-    checked once the prompts are read; the batch arithmetic by start_stage, `default_minibatch`.)"""
+def check_config(config: PPOConfig, ctx: DistributedContext) -> tuple[list[RewardFunction], ToolSetup | None]:
+    """Flags PPO cannot run without, the model folders, reward functions and tools (loaded here,
+    before any model) and the TP size. Returns the reward functions and the tools. (Whether a
+    rollout fits the model is checked once the prompts are read; the batch arithmetic by
+    start_stage, `default_minibatch`.)"""
     if not config.actor:
         raise UserError("--actor is required: the policy to train (e.g. the SFT stage's <output>/model)")
-    if not config.reward and not config.reward_fn:
-        raise UserError("--reward (a reward model folder) or --reward-fn (a task name or file.py:function) is required")
+    tools = load_tool_setup(config)
+    environment_reward = tools.environment_name if tools is not None and tools.environment_rewards else None
+    if not config.reward and not config.reward_fn and environment_reward is None:
+        raise UserError("--reward (a reward model folder) or --reward-fn (a task name or file.py:function) is required "
+                        "(or an --environment with get_reward())")
     if config.critic_free and config.critic:
         raise UserError(f"--critic {config.critic}: --advantage-estimator {config.advantage_estimator} trains no "
                         "critic; drop --critic (or use --advantage-estimator gae)")
     if not config.critic_free and not (config.critic or config.reward):
         raise UserError("--critic is required with --reward-fn (a causal LM or value model folder, e.g. the SFT model)")
     check_model_folders(config)
-    functions = check_reward_sources(config)
+    functions = check_reward_sources(config, environment_reward)
     if config.ptx_data and config.ptx_coef <= 0:
         raise UserError("--ptx-data needs --ptx-coef > 0")
     ctx.tp_coordinates(config.inference_tp_size)
-    return functions
+    return functions, tools
 
 
 def default_minibatch(config: PPOConfig, world_size: int) -> dict[str, int]:

@@ -14,6 +14,7 @@ from rlhf.logging import get_logger
 from rlhf.reward_batch import RewardBatch, prompt_text
 from rlhf.reward_functions import RewardFunction, Score
 from rlhf.stages.ppo.generation_phase import decode_responses
+from rlhf.stages.tool_rollouts import ToolRollout, response_ids
 from rlhf.stages.ppo.parts import Prompts
 
 log = get_logger(__name__)
@@ -60,11 +61,19 @@ class EvaluationPhase:
         with rollout_mode(self.actor, tp.size, self.parity_tolerance, check_parity=False) as rollout:
             for start in range(0, len(mine), batch):
                 rows = mine[start : start + batch]
+                if self.tool_setup is not None:  # answered in turns, with the tools
+                    tools = ToolRollout(self.tool_setup, self.tokenizer, [prompts.messages[i] for i in rows],
+                                        [prompts.fields[i] for i in rows])
+                    ids, mask = pad_left(tools.prompt_ids(), self.tokenizer.pad_token_id)
+                    out = rollout.generate_turns(ids.to(self.ctx.device), mask.to(self.ctx.device), params, None,
+                                                 tools.respond)
+                    responses += tools.responses
+                    completion_ids += response_ids(out)
+                    continue
                 ids, mask = pad_left([prompts.ids[i] for i in rows], self.tokenizer.pad_token_id)
                 out = rollout.generate(ids.to(self.ctx.device), mask.to(self.ctx.device), params)
                 responses += decode_responses(self.tokenizer, out.sequences, out.action_mask, out.prompt_length)
-                sequences, action = out.sequences.cpu(), out.action_mask.cpu()
-                completion_ids += [s[a].tolist() for s, a in zip(sequences, action)]
+                completion_ids += response_ids(out)
         scores = self.score_held_out(step, mine, responses, completion_ids) if tp.rank_in_group == 0 else {}
         metrics = self.reduce_eval_scores(scores)
         metrics["eval_s"] = time.perf_counter() - started

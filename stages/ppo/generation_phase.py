@@ -18,6 +18,7 @@ from rlhf.stages.experience import shaped_scores
 from rlhf.stages.ppo.iteration_log import shown_values
 from rlhf.stages.ppo.parts import timed
 from rlhf.stages.reward_sources import rollout_batch
+from rlhf.stages.tool_rollouts import ToolRollout
 from rlhf.stages.rollouts import (
     Rollouts, gather_rollouts, global_scores, group_rows, iteration_slots, merge_rollouts, select_rows, unique_runs,
 )
@@ -86,15 +87,16 @@ class GenerationPhase:
     def generate_rollouts(self, prompt_rows: list[int], iteration: int, round_index: int) -> Rollouts:
         """Responses to this rank's sample slots: the TP group generates its ranks' slots together
         (same sampling seed on its ranks), each unique prompt prefilled once for its samples; then
-        each rank keeps its --generation-batch-size rows."""
+        each rank keeps its --generation-batch-size rows. With tools, the rollouts run turns
+        (`generate_tool_rollouts`)."""
+        if self.tool_setup is not None:
+            return self.generate_tool_rollouts(prompt_rows, iteration, round_index)
         per_group = self.batch_per_rank * self.tp.size
         slots = iteration_slots(prompt_rows, self.group_size)
         group_slots = slots[self.tp.group_index * per_group : (self.tp.group_index + 1) * per_group]
         unique, counts = unique_runs(group_slots)
         ids, mask = pad_left([self.prompts.ids[i] for i in unique], self.tokenizer.pad_token_id)
-        purpose = ("rollout", iteration) if round_index == 0 else ("rollout_round", iteration, round_index)
-        gen = torch.Generator(device=self.ctx.device).manual_seed(
-            derive_seed(self.seed, purpose[0], *purpose[1:], self.tp.group_index))
+        gen = self.rollout_generator(iteration, round_index)
         repeats = torch.tensor(counts, dtype=torch.long, device=self.ctx.device)
         check = round_index == 0 and (iteration == self.start_iteration or iteration % self.config.rollout_parity_every == 0)
         with rollout_mode(self.actor, self.tp.size, self.parity_tolerance, check) as rollout:
@@ -109,6 +111,40 @@ class GenerationPhase:
                         [self.prompts.messages[i] for i in rows], decoded,
                         [self.prompts.fields[i] for i in rows], rollout_metrics, logprobs=out.logprobs[mine],
                         conversational=[self.prompts.conversational[i] for i in rows])
+
+    def rollout_generator(self, iteration: int, round_index: int) -> torch.Generator:
+        """The sampling stream of an iteration's round, the same on the ranks of a TP group."""
+        purpose = ("rollout", iteration) if round_index == 0 else ("rollout_round", iteration, round_index)
+        return torch.Generator(device=self.ctx.device).manual_seed(
+            derive_seed(self.seed, purpose[0], *purpose[1:], self.tp.group_index))
+
+    def generate_tool_rollouts(self, prompt_rows: list[int], iteration: int, round_index: int) -> Rollouts:
+        """`generate_rollouts` with tools: each slot's prompt rendered with the tool schemas (after its
+        environment's reset), a group's equal prompts prefilled once, then turns until every row
+        answered without a call (stages/tool_rollouts.py); the trajectories go with the rollouts."""
+        assert self.tool_setup is not None
+        per_group = self.batch_per_rank * self.tp.size
+        slots = iteration_slots(prompt_rows, self.group_size)
+        group_slots = slots[self.tp.group_index * per_group : (self.tp.group_index + 1) * per_group]
+        tools = ToolRollout(self.tool_setup, self.tokenizer, [self.prompts.messages[i] for i in group_slots],
+                            [self.prompts.fields[i] for i in group_slots])
+        unique, counts = equal_runs(tools.prompt_ids())
+        ids, mask = pad_left(unique, self.tokenizer.pad_token_id)
+        check = round_index == 0 and (iteration == self.start_iteration or iteration % self.config.rollout_parity_every == 0)
+        with rollout_mode(self.actor, self.tp.size, self.parity_tolerance, check) as rollout:
+            out = rollout.generate_turns(ids.to(self.ctx.device), mask.to(self.ctx.device), self.sampling,
+                                         self.rollout_generator(iteration, round_index), tools.respond,
+                                         torch.tensor(counts, dtype=torch.long, device=self.ctx.device))
+            rollout_metrics = dict(rollout.metrics)
+        mine = slice(self.tp.rank_in_group * self.batch_per_rank, (self.tp.rank_in_group + 1) * self.batch_per_rank)
+        rows = group_slots[mine]
+        rollout_metrics.update(tools.metrics(), tool_responses_cut=float(out.cut_appends))
+        return Rollouts(out.sequences[mine], out.attention_mask[mine], out.action_mask[mine], out.finished[mine],
+                        tools.prompts[mine], tools.responses[mine], [self.prompts.fields[i] for i in rows],
+                        rollout_metrics, logprobs=out.logprobs[mine],
+                        conversational=[self.prompts.conversational[i] for i in rows],
+                        trajectories=tools.trajectories[mine],
+                        environments=None if tools.environments is None else tools.environments[mine])
 
     def score_rewards(self, rollouts: Rollouts, state: RewardTrainerState | None = None) -> None:
         """The reward sources' scores, then the shaped score that enters the reward: missing-EOS
@@ -162,6 +198,19 @@ class GenerationPhase:
         result.metrics.update(dynamic_sampling_rounds=float(rounds),
                               dynamic_sampling_kept_fraction=min(n_kept, wanted) / wanted)
         return result
+
+
+def equal_runs(ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Consecutive equal prompts as (prompts, counts): what one prefill serves."""
+    unique: list[list[int]] = []
+    counts: list[int] = []
+    for row in ids:
+        if unique and unique[-1] == row:
+            counts[-1] += 1
+        else:
+            unique.append(row)
+            counts.append(1)
+    return unique, counts
 
 
 def decode_responses(tokenizer: Any, sequences: torch.Tensor, action_mask: torch.Tensor, prompt_length: int) -> list[str]:

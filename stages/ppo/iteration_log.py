@@ -8,6 +8,7 @@ from rlhf.algorithms.ppo_math import explained_variance
 from rlhf.engine.distributed import DistributedContext
 from rlhf.logging import get_logger
 from rlhf.reward_batch import SAMPLE_COLUMNS
+from rlhf.stages.tool_rollouts import trajectory_text
 from rlhf.reward_functions import prompt_text
 from rlhf.stages.experience import Experience
 from rlhf.stages.reward_sources import REWARD_MODEL, reward_metrics, warn_if_degenerate
@@ -42,17 +43,30 @@ class IterationLog:
             ended_with_eos=eos / experience_global, reward_clipped_fraction=clipped / experience_global,
             **rollouts.metrics,
         )
+        metrics.update(self.tool_metrics(rollouts))
         self.last_metrics = metrics
         last = step == self.total_iterations
         if step % config.tracking.log_interval == 0 or last or "eval_reward" in metrics:  # never drop an evaluation
             self.tracker.log(metrics, step=step)
         if config.sample_log_interval > 0 and (iteration % config.sample_log_interval == 0 or last):
-            extra = rollouts.extra or {}
+            extra = dict(rollouts.extra or {})
+            if rollouts.trajectories is not None:  # a tool rollout's turns, calls and results
+                extra.setdefault("trajectory", [trajectory_text(t) for t in rollouts.trajectories])
             rows = [[prompt_text(p), r, float(s), *(extra[k][i] for k in extra)]
                     for i, (p, r, s) in enumerate(zip(rollouts.prompts[:4], rollouts.responses[:4],
                                                       exp.scores[:4].tolist()))]
             self.tracker.log_table("samples", [*SAMPLE_COLUMNS, *extra], rows, step=step)
         return metrics
+
+    def tool_metrics(self, rollouts: Rollouts) -> dict[str, float]:
+        """A tool rollout's counts (tool_calls, tool_calls_<status>, tool_turns, ...) summed over all
+        ranks (a TP group's ranks ran the same calls: counted once); {} without tools."""
+        names = sorted(k for k in rollouts.metrics if k.startswith("tool_"))
+        if not names:
+            return {}
+        local = torch.tensor([rollouts.metrics[k] for k in names], dtype=torch.float64)
+        totals = self.ctx.all_reduce_sum(local) / self.tp.size
+        return dict(zip(names, totals.tolist()))
 
     def phase_gflop(self, rollouts: Rollouts) -> dict[str, float]:
         """The iteration's model GFLOPs per phase over all ranks (`<phase>_gflop`, rlhf.stages.throughput)."""

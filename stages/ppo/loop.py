@@ -44,6 +44,7 @@ from rlhf.stages.ppo.iteration_log import IterationLog
 from rlhf.stages.ppo.parts import disable_dropout, engine_config_for, load_prompts, timed
 from rlhf.stages.ppo.update_phase import UpdatePhase
 from rlhf.stages.reward_sources import build_reward_source
+from rlhf.stages.tool_rollouts import ToolSetup, check_template_renders_tools, load_tool_setup
 from rlhf.stages.throughput import iteration_models
 from rlhf.stages.trainer import finish_stage, open_run, resume_from_latest, stop_for_signal, wants_checkpoint
 
@@ -54,9 +55,12 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
     """Actor (and critic), reference, reward sources, KL controller and EMA, and the loop over them. Each phase's methods are in its own module."""
 
     def __init__(self, config: PPOConfig, ctx: DistributedContext, output: Path,
-                 reward_functions: list[RewardFunction] | None = None) -> None:
+                 reward_functions: list[RewardFunction] | None = None, tools: ToolSetup | None = None) -> None:
         self.config, self.ctx, self.output = config, ctx, output
         self.reward_functions = reward_functions
+        # --tools / --environment: rollouts run turns (stages/tool_rollouts.py).
+        self.tool_setup = tools if tools is not None or not (config.tools or config.environment) else (
+            load_tool_setup(config))
         # Held-out scoring: --eval-reward-fn, else the reward functions (a reward model alone scores no held-out set).
         self.eval_functions = (load_reward_functions(config.eval_reward_fn) if config.eval_reward_fn
                                else list(reward_functions or []))
@@ -66,6 +70,8 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
         self.group_size = config.samples_per_prompt
         self.experience_size = config.generation_batch_size * ctx.world_size  # samples per iteration
         self.tokenizer = load_tokenizer(config.actor, "--actor", config.data.chat_template)
+        if self.tool_setup is not None:
+            check_template_renders_tools(self.tokenizer, self.tool_setup.schemas, f"--actor {config.actor}")
         self.load_data()
         # Before any model loads, with the longest prompt there is (not the --max-prompt-len cap).
         check_rollout_fits(config.actor, config.generation_batch_size * config.inference_tp_size,
@@ -115,7 +121,8 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
     def load_data(self) -> None:
         """Prompts, the plan that deals them out per iteration, and the optional PTX rows."""
         config = self.config
-        self.prompts, self.eval_prompts = load_prompts(config, self.tokenizer)
+        self.prompts, self.eval_prompts = load_prompts(config, self.tokenizer,
+                                                       None if self.tool_setup is None else self.tool_setup.schemas)
         if self.eval_prompts is not None and not self.eval_functions:
             log.warning("ppo: %d held-out prompts but no function to score them: pass --eval-reward-fn",
                         len(self.eval_prompts.ids))
@@ -168,7 +175,10 @@ class PPOTrainer(GenerationPhase, ExperiencePhase, UpdatePhase, IterationLog, Ev
             self.ref = FrozenModel(ref, ctx, config.engine.zero_stage, self.actor.dtype, config.offload_ref,
                                    config.engine.micro_batch_size, "ref", compile=config.engine.compile,
                                    weights=ref_weights)
-        self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions)
+        setup = self.tool_setup
+        self.reward = build_reward_source(config, ctx, self.tokenizer, self.actor.dtype, self.reward_functions,
+                                          setup.environment_name if setup is not None and setup.environment_rewards
+                                          else None)
         if config.pack_sequences and config.max_tokens_per_micro_batch:
             log_packing(self.packing_reasons())
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl

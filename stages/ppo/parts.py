@@ -61,12 +61,14 @@ class Prompts:
     """Each prompt came as chat messages (TRL's conversational rows: its reward functions get messages)."""
 
 
-def load_prompts(config: PPOConfig, tokenizer: Any) -> tuple[Prompts, Prompts | None]:
+def load_prompts(config: PPOConfig, tokenizer: Any, tools: list[dict[str, Any]] | None = None
+                 ) -> tuple[Prompts, Prompts | None]:
     """This stage's share of --data as generation prompts of at most --max-prompt-len tokens, and
-    the held-out prompts (--eval-data, --data-test-split or an --eval-split holdout; None without)."""
+    the held-out prompts (--eval-data, --data-test-split or an --eval-split holdout; None without).
+    `tools`: the schemas of the tools the policy may call, rendered into every prompt."""
 
     def tokenize(parsed: list[ParsedRow]) -> tuple[list[tuple[list[int], list[Message], dict, bool]], TokenizeStats]:
-        ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len)
+        ids, stats = tokenize_prompts(parsed, tokenizer, config.max_prompt_len, tools)
         return [(i, parsed[k].generation_prompt, parsed[k].fields, parsed[k].conversational)
                 for i, k in zip(ids, stats.kept_indices)], stats
 

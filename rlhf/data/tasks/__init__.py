@@ -23,6 +23,7 @@ from rlhf.data.tasks.base import (
     write_task_dataset,
 )
 from rlhf.data.tasks.arithmetic import ArithmeticWordsTask
+from rlhf.data.tasks.calculator import CalculatorTask
 from rlhf.data.tasks.larger_number import LargerNumberTask
 from rlhf.data.tasks.sort import SortTask
 from rlhf.errors import UserError
@@ -32,6 +33,7 @@ TASKS: dict[str, Callable[[], Task]] = {
     "sort": SortTask,
     "arithmetic_words": ArithmeticWordsTask,
     "larger_number": LargerNumberTask,
+    "calculator": CalculatorTask,
 }
 
 
@@ -43,7 +45,7 @@ def get_task(name: str) -> Task:
 
 
 __all__ = [
-    "ArithmeticWordsTask", "DATASET_FILES", "LargerNumberTask", "TASKS", "SortTask", "Task", "build_preference_rows", "build_prompt_rows",
+    "ArithmeticWordsTask", "CalculatorTask", "DATASET_FILES", "LargerNumberTask", "TASKS", "SortTask", "Task", "build_preference_rows", "build_prompt_rows",
     "build_sft_rows", "get_task", "sample_unique_prompts", "success_rate", "user_request",
     "write_task_dataset",
 ]

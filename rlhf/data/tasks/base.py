@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rlhf.errors import UserError
 from rlhf.logging import get_logger
@@ -109,7 +109,8 @@ def sample_unique_prompts(
 def build_sft_rows(
     task: Task, n: int, wrong_fraction: float, seed: int, exclude: set[str] | None = None
 ) -> list[dict[str, str]]:
-    """`n` demonstrations {prompt, response}; exactly round(n * wrong_fraction) of them are wrong.
+    """`n` demonstrations {prompt, response} (or the task's `demonstration(prompt, wrong, rng)` rows);
+    exactly round(n * wrong_fraction) of them are wrong.
 
     The wrong ones make the SFT model imperfect on purpose, so later stages have something to fix.
     """
@@ -118,6 +119,9 @@ def build_sft_rows(
     rng = _file_rng(seed, "sft")
     prompts = sample_unique_prompts(task, n, rng, exclude)
     wrong = set(rng.sample(range(n), round(n * wrong_fraction)))
+    demonstration = getattr(task, "demonstration", None)
+    if demonstration is not None:  # a task whose demonstrations are conversations (tool calls)
+        return [demonstration(p, i in wrong, rng) for i, p in enumerate(prompts)]
     return [
         {
             "prompt": p,
@@ -148,6 +152,12 @@ def build_prompt_rows(
 ) -> list[dict[str, str]]:
     """`n` rows {prompt} for PPO rollouts or evaluation; `what` names the seeded stream."""
     return [{"prompt": p} for p in sample_unique_prompts(task, n, _file_rng(seed, what), exclude)]
+
+
+def prompt_of(row: dict[str, Any]) -> str:
+    """A dataset row's prompt text (a conversational row's: its user turn's content)."""
+    prompt = row["prompt"]
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 def success_rate(task: Task, prompts: Sequence[str], responses: Sequence[str]) -> float:
@@ -202,7 +212,7 @@ def write_task_dataset(
             rows = build_preference_rows(task, n_pairs, seed, used)
         else:
             rows = build_prompt_rows(task, n_prompts, seed, used)
-        used.update(row["prompt"] for row in rows)
+        used.update(prompt_of(row) for row in rows)
         datasets[name] = rows
     paths = {}
     for name, rows in datasets.items():

@@ -461,11 +461,12 @@ def format_e2e_summary(summary: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    keys = ["algorithm", "advantage_estimator", "rm_eval_accuracy", "sft_task_success", "ppo_task_success",
-            "ppo_gain_points", "dpo_task_success", "dpo_gain_points", "sft_seconds", "reward_seconds", "ppo_seconds",
+    keys = ["algorithm", "advantage_estimator", "rm_eval_accuracy", "base_task_success", "sft_task_success",
+            "ppo_task_success", "ppo_gain_points", "base_task_success_no_tool", "sft_task_success_no_tool",
+            "ppo_task_success_no_tool", "dpo_task_success", "dpo_gain_points", "sft_seconds", "reward_seconds", "ppo_seconds",
             "dpo_seconds", "eval_seconds", "total_seconds"]
     lines = [f"e2e summary ({summary.get('output')}):"]
-    lines += [f"  {k:<18} {fmt(summary[k])}" for k in keys if k in summary and summary[k] is not None]
+    lines += [f"  {k:<26} {fmt(summary[k])}" for k in keys if k in summary and summary[k] is not None]
     return "\n".join(lines)
 
 

@@ -81,7 +81,7 @@ class ParsedTurn:
 
 def tool_from_function(fn: Callable[..., Any], where: str) -> Tool:
     """`fn` as a tool, its schema from its type hints and docstring (a UserError naming `where` otherwise)."""
-    from transformers.utils import get_json_schema
+    from transformers.utils import get_json_schema  # transformers' import time, paid only by runs with tools
 
     name = getattr(fn, "__name__", type(fn).__name__)
     try:

@@ -34,7 +34,8 @@ from typing import Any
 from rlhf.algorithms.estimators import ESTIMATORS
 from rlhf.config import DataConfig, DPOConfig, E2EConfig, PPOConfig, RewardConfig, SFTConfig
 from rlhf.config_sources import ConfigSources, resolve_config
-from rlhf.data.tasks import DATASET_FILES, get_task, write_task_dataset
+import rlhf.data as data_package
+from rlhf.data.tasks import DATASET_FILES, TASKS, get_task, write_task_dataset
 from rlhf.ds_config import import_ds_config
 from rlhf.engine.distributed import DistributedContext
 from rlhf.errors import UserError
@@ -49,6 +50,7 @@ from rlhf.stages import ppo as ppo_stage
 from rlhf.stages import reward as reward_stage
 from rlhf.stages import sft as sft_stage
 from rlhf.stages.evaluation import task_success
+from rlhf.stages.tool_rollouts import tool_setup
 from rlhf.trl_config import E2E_WIRED, import_trl_config
 
 log = get_logger(__name__)
@@ -77,9 +79,23 @@ def resolve_e2e_config(sources: ConfigSources) -> E2EConfig:
     """The e2e options: preset defaults < --config file < flags. The preset is itself read from the
     file or the flags first, since it decides the defaults the others override."""
     probe = resolve_config(E2EConfig(), sources, where="rlhf e2e")
-    if probe.preset is None:
+    defaults = preset_e2e_config(probe.preset)
+    if is_tool_task(probe.task) and not probe.data and not mentions(sources, "advantage_estimator"):
+        defaults.advantage_estimator = "grpo"  # a tool task's rollouts are scored by its checker, in groups
+    if defaults == E2EConfig():
         return probe
-    return resolve_config(preset_e2e_config(probe.preset), sources, where="rlhf e2e")
+    return resolve_config(defaults, sources, where="rlhf e2e")
+
+
+def mentions(sources: ConfigSources, name: str) -> bool:
+    """Whether the --config file or a flag sets the field `name`."""
+    keys = (name, name.replace("_", "-"))
+    return any(k in sources.file for k in keys) or any(sources.flags.get(k) is not None for k in keys)
+
+
+def is_tool_task(name: str) -> bool:
+    """A built-in task whose answers call tools (it lists them: `task.tools()`)."""
+    return name in TASKS and hasattr(TASKS[name](), "tools")
 
 
 def default_stage_configs(cfg: E2EConfig) -> dict[str, Any]:
@@ -258,12 +274,40 @@ def stage_configs(cfg: E2EConfig, run_dir: Path) -> dict[str, Any]:
         ppo.data.data, ppo.data.eval_data = [str(paths["prompts"])], [str(paths["eval_prompts"])]
         ppo.eval_reward_fn, ppo.eval_interval = [cfg.task], 10  # the learning curve: held-out success, greedy
         ppo.eval_max_new_tokens = cfg.eval_max_new_tokens
+        if is_tool_task(cfg.task):
+            tool_task_settings(cfg, stages)
     else:
         for name, stage in stages.items():
             share_data_selection(cfg, stage.data, test_split=name != "ppo")
         if cfg.data_test_split is None:
             reward.data.eval_split = dpo.data.eval_split = 0.05
     return stages
+
+
+TEMPLATES = Path(data_package.__file__).parent / "templates"
+"""The chat templates that render tools (rlhf/data/templates/*.jinja)."""
+
+
+def tool_template(cfg: E2EConfig) -> str | None:
+    """The chat template of a tool task: the built-in model's own renders no tools, so the tiny
+    model's dialog format or SmolLM2's ChatML with tools (rlhf/data/templates); --model keeps its own."""
+    if cfg.model:
+        return None
+    return str(TEMPLATES / ("chatml_tools.jinja" if cfg.preset == "smollm2" else "plain_tools.jinja"))
+
+
+def tool_task_settings(cfg: E2EConfig, stages: dict[str, Any]) -> None:
+    """A tool task (`calculator`): SFT on its tool-call conversations, the RL stage with its tools and
+    room for a turn with a call, the tool's response and the answer (tiny: characters; smollm2: BPE
+    tokens, the ChatML system turn listing the tools ~60 of them)."""
+    sft, ppo = stages["sft"], stages["ppo"]
+    sft.data.chat_template = ppo.data.chat_template = tool_template(cfg)
+    ppo.tools = get_task(cfg.task).tool_specs()
+    if cfg.preset == "smollm2":
+        sft.data.max_seq_len, ppo.max_prompt_len, ppo.max_new_tokens = 160, 96, 48
+    else:
+        sft.data.max_seq_len, ppo.max_prompt_len, ppo.max_new_tokens = 256, 80, 128
+    ppo.eval_max_new_tokens = ppo.max_new_tokens
 
 
 def share_data_selection(cfg: E2EConfig, data: DataConfig, test_split: bool) -> None:
@@ -395,7 +439,7 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
             summary["rm_eval_accuracy"] = read_summary(reward.output).get("eval_accuracy")
     if paths is not None:
         t0 = time.perf_counter()
-        summary.update(measure_success(cfg, run_dir, paths["eval_prompts"], ctx))
+        summary.update(measure_success(cfg, run_dir, paths["eval_prompts"], ctx, ppo))
         seconds["eval_seconds"] = time.perf_counter() - t0
     summary.update(seconds)
     summary["total_seconds"] = time.perf_counter() - started
@@ -407,19 +451,27 @@ def run(cfg: E2EConfig, file_sections: dict[str, Any], flags: dict[str, dict[str
     return summary
 
 
-def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: DistributedContext) -> dict[str, float]:
+def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: DistributedContext,
+                    ppo: PPOConfig) -> dict[str, float]:
     """Task success on the held-out prompts (greedy at --eval-temperature 0, else sampled with one seed
     for every model) of the base, the SFT and the aligned (PPO or DPO) model, each with its standard
-    error, and the aligned model's gain over SFT in points (`ppo_gain_points` / `dpo_gain_points`)."""
+    error, and the aligned model's gain over SFT in points (`ppo_gain_points` / `dpo_gain_points`).
+    A tool task's models answer with the RL stage's tools, and once more without any
+    (`<model>_task_success_no_tool`): what the tool is worth."""
     task = get_task(cfg.task)
     prompts = [json.loads(line)["prompt"] for line in eval_prompts.read_text().splitlines() if line.strip()]
     final = cfg.algorithm
     models = {"base": base_model(cfg, run_dir), **{name: str(run_dir / name / "model") for name in ("sft", final)}}
     result: dict[str, float] = {"eval_prompts": float(len(prompts)), "eval_temperature": cfg.eval_temperature}
+    tools = tool_setup(ppo.tools, ppo.environment, ppo.max_tool_calls, ppo.tool_timeout)
+    runs = {"": tools, "_no_tool": None} if tools is not None else {"": None}
+    max_new = ppo.max_new_tokens if tools is not None else cfg.eval_max_new_tokens
     for name, folder in models.items():
-        success = task_success(folder, task, prompts, ctx, cfg.eval_temperature, cfg.eval_max_new_tokens, seed=cfg.seed)
-        result[f"{name}_task_success"] = success
-        result[f"{name}_task_success_se"] = (success * (1.0 - success) / max(len(prompts), 1)) ** 0.5
+        for suffix, with_tools in runs.items():
+            success = task_success(folder, task, prompts, ctx, cfg.eval_temperature, max_new, seed=cfg.seed,
+                                   tools=with_tools, chat_template=ppo.data.chat_template)
+            result[f"{name}_task_success{suffix}"] = success
+            result[f"{name}_task_success{suffix}_se"] = (success * (1.0 - success) / max(len(prompts), 1)) ** 0.5
     result[f"{final}_gain_points"] = 100.0 * (result[f"{final}_task_success"] - result["sft_task_success"])
     return result
 

@@ -70,22 +70,28 @@ def grouped_tool_specs(specs: list[str]) -> list[str]:
 
 def load_tool_setup(config: PPOConfig) -> ToolSetup | None:
     """The tools of `config` (--tools, --environment), checked and their schemas made; None without any."""
-    if not config.tools and not config.environment:
+    return tool_setup(config.tools, config.environment, config.max_tool_calls, config.tool_timeout)
+
+
+def tool_setup(tool_specs: list[str], environment: str | None, max_tool_calls: int = 8,
+               timeout: float = 30.0) -> ToolSetup | None:
+    """`load_tool_setup` from the values of --tools, --environment, --max-tool-calls, --tool-timeout."""
+    if not tool_specs and not environment:
         return None
-    tools = [t for spec in grouped_tool_specs(config.tools) for t in load_tools(spec)]
-    factory = load_environment(config.environment) if config.environment else None
+    tools = [t for spec in grouped_tool_specs(tool_specs) for t in load_tools(spec)]
+    factory = load_environment(environment) if environment else None
     schemas = tool_schemas(tools)
     if factory is not None:
-        assert config.environment is not None
-        probe = make_environment(factory, config.environment)
-        schemas += tool_schemas(environment_tools(probe, config.environment))
+        assert environment is not None
+        probe = make_environment(factory, environment)
+        schemas += tool_schemas(environment_tools(probe, environment))
     names = [s["function"]["name"] for s in schemas]
     duplicated = sorted(n for n, c in Counter(names).items() if c > 1)
     if duplicated:
         raise UserError(f"--tools / --environment: two tools are called {duplicated[0]!r}; tool names must be unique")
     if not schemas:
-        raise UserError(f"--environment {config.environment}: the environment has no public method to call as a tool")
-    return ToolSetup(tools, factory, config.environment, schemas, config.max_tool_calls, config.tool_timeout or None)
+        raise UserError(f"--environment {environment}: the environment has no public method to call as a tool")
+    return ToolSetup(tools, factory, environment, schemas, max_tool_calls, timeout or None)
 
 
 def check_template_renders_tools(tokenizer: Any, schemas: list[dict[str, Any]], where: str) -> None:
@@ -228,4 +234,4 @@ class ToolRollout:
 
 
 __all__ = ["ToolRollout", "ToolSetup", "check_template_renders_tools", "cut_after", "grouped_tool_specs",
-           "load_tool_setup", "response_ids", "trajectory_text"]
+           "load_tool_setup", "response_ids", "tool_setup", "trajectory_text"]

@@ -110,9 +110,13 @@ class CalculatorTask:
     def is_correct(self, prompt: str, response: str) -> bool:
         return self.score(prompt, response) == 1.0
 
+    def tool_specs(self) -> list[str]:
+        """The --tools specs of the task's tools."""
+        return [TOOL_SPEC]
+
     def tools(self) -> list[dict[str, Any]]:
         """The JSON schemas of the task's tools, as its demonstrations' `tools` column holds them."""
-        from rlhf.tools import tool_from_function
+        from rlhf.tools import tool_from_function  # rlhf.tools imports the reward functions, which import the tasks
 
         return [tool_from_function(calculate, self.name).schema]
 

@@ -303,8 +303,9 @@ def tool_task_settings(cfg: E2EConfig, stages: dict[str, Any]) -> None:
     sft, ppo = stages["sft"], stages["ppo"]
     sft.data.chat_template = ppo.data.chat_template = tool_template(cfg)
     ppo.tools = get_task(cfg.task).tool_specs()
-    if cfg.preset == "smollm2":
-        sft.data.max_seq_len, ppo.max_prompt_len, ppo.max_new_tokens = 160, 96, 48
+    if cfg.preset == "smollm2":  # a call ~30 tokens, the tool's response ~15, the answer ~4
+        sft.data.max_seq_len, ppo.max_prompt_len, ppo.max_new_tokens = 192, 96, 80
+        ppo.max_steps = 12
     else:
         sft.data.max_seq_len, ppo.max_prompt_len, ppo.max_new_tokens = 256, 80, 128
     ppo.eval_max_new_tokens = ppo.max_new_tokens
@@ -465,9 +466,9 @@ def measure_success(cfg: E2EConfig, run_dir: Path, eval_prompts: Path, ctx: Dist
     result: dict[str, float] = {"eval_prompts": float(len(prompts)), "eval_temperature": cfg.eval_temperature}
     tools = tool_setup(ppo.tools, ppo.environment, ppo.max_tool_calls, ppo.tool_timeout)
     runs = {"": tools, "_no_tool": None} if tools is not None else {"": None}
-    max_new = ppo.max_new_tokens if tools is not None else cfg.eval_max_new_tokens
     for name, folder in models.items():
         for suffix, with_tools in runs.items():
+            max_new = ppo.max_new_tokens if with_tools is not None else cfg.eval_max_new_tokens
             success = task_success(folder, task, prompts, ctx, cfg.eval_temperature, max_new, seed=cfg.seed,
                                    tools=with_tools, chat_template=ppo.data.chat_template)
             result[f"{name}_task_success{suffix}"] = success

@@ -159,3 +159,33 @@ def test_reduced_e2e_with_dpo_chains_sft_and_dpo(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # DPO has no rewards to take
         main(["e2e", "--algorithm", "dpo", "--reward-fn", "sort", "--output", str(tmp_path / "bad")])
     assert exc.value.code == 2 and "algorithm dpo trains on preference pairs" in capsys.readouterr().err
+
+
+def test_tool_task_defaults_to_grpo_with_its_tool_and_a_template_that_renders_it(tmp_path):
+    from rlhf.config_sources import ConfigSources
+    from rlhf.data.tasks.calculator import TOOL_SPEC
+    from rlhf.stages.e2e import resolve_e2e_config, stage_configs
+
+    cfg = resolve_e2e_config(ConfigSources(flags={"task": "calculator"}))
+    assert cfg.advantage_estimator == "grpo"
+    stages = stage_configs(cfg, tmp_path)
+    assert stages["ppo"].tools == [TOOL_SPEC] and stages["ppo"].reward_fn == ["calculator"]
+    assert stages["sft"].data.chat_template.endswith("plain_tools.jinja")
+    explicit = resolve_e2e_config(ConfigSources(flags={"task": "calculator", "advantage_estimator": "rloo"}))
+    assert explicit.advantage_estimator == "rloo"
+    smol = stage_configs(resolve_e2e_config(ConfigSources(flags={"preset": "smollm2", "task": "calculator"})), tmp_path)
+    assert smol["sft"].data.chat_template.endswith("chatml_tools.jinja")
+
+
+def test_reduced_e2e_tool_task_measures_success_with_and_without_the_tool(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["e2e", "--task", "calculator", "--output", str(out), "--tiny-hidden-size", "32", "--n-sft", "32",
+          "--n-pairs", "8", "--n-prompts", "16", "--n-eval-pairs", "4", "--n-eval-prompts", "8", "--report-to", "none",
+          "--sft.max-steps", "2", "--ppo.max-steps", "1", "--ppo.generation-batch-size", "16",
+          "--ppo.micro-batch-size", "16"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"sft_task_success", "ppo_task_success", "ppo_task_success_no_tool", "base_task_success_no_tool"} <= summary.keys()
+    assert "tool_calls" in json.loads((out / "ppo" / "metrics.jsonl").read_text().splitlines()[-1])
+    rows = [json.loads(line) for line in (out / "data" / "sft.jsonl").read_text().splitlines()]
+    assert any(m.get("tool_calls") for m in rows[0]["completion"] + rows[1]["completion"] + rows[2]["completion"])
+    assert "ppo_task_success_no_tool" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import read_metrics, run_cli, write_jsonl
+from tests.conftest import one_and_two_rank_metrics, read_metrics, run_cli, write_jsonl
 from rlhf.data.rendering import render_messages
 from rlhf.data.tasks.calculator import TOOL_SPEC, calculate
 from rlhf.data.tokenization import encode_prompt
@@ -58,7 +58,7 @@ def test_turns_are_exactly_the_sampled_ids_plus_the_appended_ones(tiny_model_dir
         expected = [*first[row], *appended, *again.sequences[0, context.shape[1]:].tolist()]
         assert out.sequences[row, 5:].tolist() == expected
         assert out.action_mask[row, 5:].tolist() == [True] * 3 + [False] * 3 + [True] * 6
-    logprobs = causal_lm_logprobs(model, out.sequences, out.attention_mask)  # [B, T-1]: token t+1 at t
+    logprobs = causal_lm_logprobs(model, out.sequences, out.attention_mask)[0]  # [B, T-1]: token t+1 at t
     actions = out.action_mask[:, 1:]
     assert torch.allclose(out.logprobs[:, 1:][actions], logprobs[actions], atol=1e-4)
     assert (out.logprobs[:, 1:][~actions] == 0).all()
@@ -165,7 +165,7 @@ def test_ppo_with_tools_trains_on_the_sampled_and_tool_tokens(tool_caller, tmp_p
 
 
 def test_ppo_with_tools_two_ranks_match_one(tool_caller, tmp_path):
-    from conftest import one_and_two_rank_metrics
+
 
     model, prompts = tool_caller
     a, b = one_and_two_rank_metrics(ppo_tool_args(model, prompts, "--max-steps", "1", "--greedy"), tmp_path)

@@ -181,7 +181,7 @@ def test_reduced_e2e_tool_task_measures_success_with_and_without_the_tool(tmp_pa
     out = tmp_path / "run"
     main(["e2e", "--task", "calculator", "--output", str(out), "--tiny-hidden-size", "32", "--n-sft", "32",
           "--n-pairs", "8", "--n-prompts", "16", "--n-eval-pairs", "4", "--n-eval-prompts", "8", "--report-to", "none",
-          "--sft.max-steps", "2", "--ppo.max-steps", "1", "--ppo.generation-batch-size", "16",
+          "--sft.max-steps", "2", "--sft.micro-batch-size", "16", "--ppo.max-steps", "1", "--ppo.generation-batch-size", "16",
           "--ppo.micro-batch-size", "16"])
     summary = json.loads((out / "summary.json").read_text())
     assert {"sft_task_success", "ppo_task_success", "ppo_task_success_no_tool", "base_task_success_no_tool"} <= summary.keys()

@@ -194,3 +194,23 @@ def test_ppo_with_tools_resumes_mid_run_exactly(tool_caller, tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("score_mean", "tool_calls", "tool_calls_ok", "policy_loss", "response_length"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-6), key
+
+
+def test_environment_get_reward_is_a_reward_source_of_its_own(tmp_path):
+    from rlhf.reward_batch import RewardBatch
+    from rlhf.stages.reward_sources import EnvironmentRewardSource, WeightedReward
+
+    class Env:
+        def __init__(self, value):
+            self.value = value
+
+        def get_reward(self):
+            return self.value
+
+    batch = RewardBatch.of_texts(["a", "b"], ["x", "y"], environments=[Env(1.0), Env(None)])
+    reward = WeightedReward([EnvironmentRewardSource("Env")], [2.0])
+    with pytest.raises(UserError, match="has no score"):  # None leaves row 1 unscored by every source
+        reward.score(torch.zeros(2, 3), torch.ones(2, 3), batch)
+    batch = RewardBatch.of_texts(["a", "b"], ["x", "y"], environments=[Env(1.0), Env(0.25)])
+    assert reward.score(torch.zeros(2, 3), torch.ones(2, 3), batch).tolist() == [2.0, 0.5]
+    assert reward.components["Env"].tolist() == [1.0, 0.25]

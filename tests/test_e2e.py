@@ -189,3 +189,17 @@ def test_reduced_e2e_tool_task_measures_success_with_and_without_the_tool(tmp_pa
     rows = [json.loads(line) for line in (out / "data" / "sft.jsonl").read_text().splitlines()]
     assert any(m.get("tool_calls") for m in rows[0]["completion"] + rows[1]["completion"] + rows[2]["completion"])
     assert "ppo_task_success_no_tool" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # converts SmolLM2-135M and runs SFT and GRPO with the calculator tool 1 step each
+@pytest.mark.skipif(_smollm2_missing() is not None, reason=_smollm2_missing() or "")
+def test_smollm2_preset_runs_the_tool_task_on_the_real_model(tmp_path):
+    out = tmp_path / "run"
+    main(["e2e", "--preset", "smollm2", "--task", "calculator", "--output", str(out), "--report-to", "none",
+          "--n-sft", "8", "--n-pairs", "8", "--n-prompts", "8", "--n-eval-pairs", "4", "--n-eval-prompts", "4",
+          "--sft.max-steps", "1", "--ppo.max-steps", "1", "--ppo.generation-batch-size", "8",
+          "--ppo.micro-batch-size", "8"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["advantage_estimator"] == "grpo" and "ppo_task_success_no_tool" in summary
+    assert "tool_call" in (out / "sft" / "model" / "chat_template.jinja").read_text()  # the ChatML tools template
+    assert "tool_calls" in json.loads((out / "ppo" / "metrics.jsonl").read_text().splitlines()[-1])

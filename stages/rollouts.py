@@ -17,12 +17,14 @@ kept (or the rounds run out, tied groups filling the rest) each rank takes its s
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rlhf.data.formats import Message
 from rlhf.engine.distributed import DistributedContext
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,9 +62,10 @@ def iteration_slots(prompt_indices: list[int], samples_per_prompt: int) -> list[
     return [p for p in prompt_indices for _ in range(samples_per_prompt)]
 
 
-def unique_runs(slots: list[int]) -> tuple[list[int], list[int]]:
-    """Consecutive equal slots as (prompts, counts): the unique prompts a TP group prefills once."""
-    prompts: list[int] = []
+def unique_runs(slots: list[T]) -> tuple[list[T], list[int]]:
+    """Consecutive equal slots (prompt indices, or prompts' ids) as (prompts, counts): the unique
+    prompts a TP group prefills once."""
+    prompts: list[T] = []
     counts: list[int] = []
     for p in slots:
         if prompts and prompts[-1] == p:

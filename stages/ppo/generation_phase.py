@@ -128,7 +128,7 @@ class GenerationPhase:
         group_slots = slots[self.tp.group_index * per_group : (self.tp.group_index + 1) * per_group]
         tools = ToolRollout(self.tool_setup, self.tokenizer, [self.prompts.messages[i] for i in group_slots],
                             [self.prompts.fields[i] for i in group_slots])
-        unique, counts = equal_runs(tools.prompt_ids())
+        unique, counts = unique_runs(tools.prompt_ids())
         ids, mask = pad_left(unique, self.tokenizer.pad_token_id)
         check = round_index == 0 and (iteration == self.start_iteration or iteration % self.config.rollout_parity_every == 0)
         with rollout_mode(self.actor, self.tp.size, self.parity_tolerance, check) as rollout:
@@ -198,19 +198,6 @@ class GenerationPhase:
         result.metrics.update(dynamic_sampling_rounds=float(rounds),
                               dynamic_sampling_kept_fraction=min(n_kept, wanted) / wanted)
         return result
-
-
-def equal_runs(ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Consecutive equal prompts as (prompts, counts): what one prefill serves."""
-    unique: list[list[int]] = []
-    counts: list[int] = []
-    for row in ids:
-        if unique and unique[-1] == row:
-            counts[-1] += 1
-        else:
-            unique.append(row)
-            counts.append(1)
-    return unique, counts
 
 
 def decode_responses(tokenizer: Any, sequences: torch.Tensor, action_mask: torch.Tensor, prompt_length: int) -> list[str]:

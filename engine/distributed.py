@@ -250,6 +250,12 @@ class DistributedContext:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
 
+    def all_agree(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank (one small all_reduce on several ranks)."""
+        if self.world_size == 1:
+            return flag
+        return not bool(self.all_reduce_max(torch.tensor(int(not flag))))
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Rank `src`'s Python object on every rank."""
         if self.world_size == 1:

@@ -36,7 +36,8 @@ replaced by adapters or quantized layers, hooks on the model, or training mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from rlhf.engine.decode_attention import decode_attention_reference
 from rlhf.engine.decode_loop import DecodeLoop
 
 __all__ = ["FastLlamaDecoder", "computes_as_linear", "copied_projection_bytes", "fast_decode_unsupported_reason",
+           "support_checked_once",
            "fused_projection_groups", "rms_norm", "apply_rope", "share_fused_storage", "signed_sin", "view_transpose"]
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
@@ -117,8 +119,35 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return getattr(inner, "layers", None) if inner is not None else None
 
 
+_checked_models: dict[tuple[int, bool], str | None] | None = None
+
+
+@contextlib.contextmanager
+def support_checked_once() -> Iterator[None]:
+    """Inside the block, `fast_decode_unsupported_reason` checks each model once (one rollout asks
+    three times: the runner's choice, the decoder, the size of its weight copies); the block must
+    not change the models it generates with."""
+    global _checked_models
+    outer = _checked_models
+    _checked_models = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _checked_models = outer
+
+
 def fast_decode_unsupported_reason(model: nn.Module) -> str | None:
-    """Why `FastLlamaDecoder` cannot run `model` faithfully, or None when it can."""
+    """Why `FastLlamaDecoder` cannot run `model` faithfully, or None when it can (remembered inside
+    `support_checked_once`)."""
+    if _checked_models is None:
+        return _unsupported_reason(model)
+    key = (id(model), model.training)
+    if key not in _checked_models:
+        _checked_models[key] = _unsupported_reason(model)
+    return _checked_models[key]
+
+
+def _unsupported_reason(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:

@@ -46,7 +46,7 @@ from transformers import PretrainedConfig
 from rlhf.engine.backends.registry import backend_for
 from rlhf.engine.backends.base import generation_kernels_enabled
 from rlhf.engine.decode_loop import DecodeLoop, Transcript, sampled_logprobs
-from rlhf.engine.fast_decode import fast_decode_unsupported_reason
+from rlhf.engine.fast_decode import fast_decode_unsupported_reason, support_checked_once
 from rlhf.engine.kv_cache import RolloutKVCache, available_memory_bytes, cache_argument, kv_cache_bytes
 from rlhf.engine.next_token import sample_next_token
 from rlhf.engine.positions import position_ids_from_mask
@@ -337,12 +337,14 @@ def generate(
     prompt_len = input_ids.shape[1]
     rows = input_ids.shape[0] if index is None else index.numel()
     param = next(model.parameters())
-    copies = backend_for(input_ids.device).decoder_weight_bytes(model) if fast is not False else 0
-    check_generation_fits(model.config, rows, prompt_len, params.max_new_tokens, param.dtype, input_ids.device,
-                          _tp_size(param), weight_copies=copies)
+    with support_checked_once():
+        copies = backend_for(input_ids.device).decoder_weight_bytes(model) if fast is not False else 0
+        check_generation_fits(model.config, rows, prompt_len, params.max_new_tokens, param.dtype, input_ids.device,
+                              _tp_size(param), weight_copies=copies)
+        runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast,
+                               params.kv_cache_dtype)
     # Positions as transformers.generate computes them: count of real tokens so far, pads at 0.
     prompt_positions = position_ids_from_mask(attention_mask)
-    runner = select_runner(model, input_ids.shape[0], prompt_len + params.max_new_tokens, fast, params.kv_cache_dtype)
     logits = runner.prefill(input_ids, attention_mask, prompt_positions)
     if index is not None:
         # Group sampling: each unique prompt's cache rows and last logits become its samples' rows.

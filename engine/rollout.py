@@ -24,6 +24,7 @@ The transition is an explicit sequence, memory logged at each step:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import weakref
 from collections.abc import Iterator
@@ -244,7 +245,8 @@ class Rollout:
         """`engine.generation.generate` on the rollout model; `samples_per_prompt` as there (group
         sampling: one prefill per unique prompt, sum(counts) output rows)."""
         out = generate(self.model, input_ids, attention_mask, params, generator, samples_per_prompt=samples_per_prompt)
-        log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rollout: KV cache allocated and released; %s", memory_snapshot(self.engine.ctx.device))
         if self.checks_parity and self.parity_max_diff is None:
             self.check_parity(out)
         return out
@@ -306,11 +308,17 @@ def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None 
     ctx.tp_coordinates(tp_size)  # the world-size check, before anything is built
     dtype = COMPUTE_DTYPES[engine.dtype]
     was_training = engine.model.training
-    log.info("rollout mode: enter (train mode: %s)", memory_snapshot(ctx.device))
+    # The first switch is logged; later ones (every PPO iteration) at debug level.
+    level = logging.INFO if _SKELETONS.get(engine) is None else logging.DEBUG
+    logged = log.isEnabledFor(level)
+    if logged:
+        log.log(level, "rollout mode: enter (train mode: %s)", memory_snapshot(ctx.device))
     engine.model.eval()
     skeleton = rollout_skeleton(engine, tp_size, dtype)
     moved = load_rollout_weights(skeleton.model, engine.model, ctx, tp_size)
-    log.info("rollout mode: tp=%d weights loaded (%.1f MiB local, %s)", tp_size, moved / 2**20, memory_snapshot(ctx.device))
+    if logged:
+        log.log(level, "rollout mode: tp=%d weights loaded (%.1f MiB local, %s)", tp_size, moved / 2**20,
+                memory_snapshot(ctx.device))
     tolerance = tolerance if tolerance is not None else default_parity_tolerance(engine.dtype)
     rollout = Rollout(skeleton.model, engine, tolerance, check_parity)
     rollout.metrics["rollout_weights_mib"] = moved / 2**20
@@ -323,4 +331,5 @@ def rollout_mode(engine: TrainEngine, tp_size: int = 1, tolerance: float | None 
         skeleton.release()
         if was_training:
             engine.model.train()
-        log.info("rollout mode: exit, back in train mode (%s)", memory_snapshot(ctx.device))
+        if logged:
+            log.log(level, "rollout mode: exit, back in train mode (%s)", memory_snapshot(ctx.device))

@@ -531,11 +531,20 @@ class PPOConfig(RunConfig):
     overlong_penalty: float = bounded(1.0, ge=0)
     """The overlong penalty at max_new_tokens (DAPO: 1.0)."""
     share_prompt_forward: bool = True
-    """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards (same
-    log-probs up to rounding).
+    """With --samples-per-prompt > 1, run each group's shared prompt once in the training and reference forwards, where
+    it pays (--share-prompt-min-gflop).
 
     The prompt's keys and values are copied to the group's rows; log-probs and gradients are the same up to
     rounding.
+    """
+    share_prompt_min_gflop: float = bounded(0.2, ge=0)
+    """Share the groups' prompts only where a micro-batch's forward saves at least this many GFLOP (2 x parameters per
+    prompt token not run, at the data's mean prompt length); 0: always.
+
+    Sharing runs two forwards (the prompts, then the responses) where the plain path runs one, and a
+    forward has a fixed cost of op dispatch. Measured on a 2-layer, 64-wide Llama (GRPO, 4 prompts x 8
+    samples, ~20-token prompts, 2 CPU threads): the training forward takes 5.7 ms shared, 4.0 ms plain.
+    On SmolLM2-135M with the same batch sharing saves ~2 GFLOP a forward.
     """
     pack_sequences: bool = True
     """With --max-tokens-per-micro-batch, run each micro-batch's real tokens packed end to end (no padding computed)

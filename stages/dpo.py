@@ -80,13 +80,6 @@ class ForwardPlan:
     packed: bool
 
 
-def all_ranks_agree(flag: bool, ctx: DistributedContext) -> bool:
-    """True when `flag` holds on every rank (one small all_reduce on several ranks)."""
-    if ctx.world_size == 1:
-        return flag
-    return not bool(ctx.all_reduce_max(torch.tensor(int(not flag))))
-
-
 def forward_plan(model: nn.Module, batch: Batch, config: DPOConfig, ctx: DistributedContext, pack: bool,
                  parameters: int) -> ForwardPlan:
     """Share the prompts where --share-prompt-forward asks and that saves at least
@@ -96,12 +89,11 @@ def forward_plan(model: nn.Module, batch: Batch, config: DPOConfig, ctx: Distrib
     ids, mask = batch["input_ids"], batch["attention_mask"]
     start = int(batch["response_start"])
     saved = padded_forward_tokens(ids, mask, 0) - padded_forward_tokens(ids, mask, start)
-    share = all_ranks_agree(config.share_prompt_forward and sharing_pays(parameters, saved, config.share_prompt_min_gflop),
-                            ctx)
+    share = ctx.all_agree(config.share_prompt_forward and sharing_pays(parameters, saved, config.share_prompt_min_gflop))
     prefix = start if share else 0
     packed = pack and packs_fewer_tokens(model, ids, mask, padded_forward_tokens(ids, mask, prefix), prefix)
     if share:
-        packed = all_ranks_agree(packed, ctx)
+        packed = ctx.all_agree(packed)
     return ForwardPlan(share, packed)
 
 

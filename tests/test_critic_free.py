@@ -146,7 +146,8 @@ def test_shared_prompt_forward_matches_the_plain_one(tiny_model_dirs, answer_pro
     forward and the reference's; the run must match --no-share-prompt-forward."""
     model = tiny_model_dirs["qwen2"]  # tied embeddings
     common = ["--advantage-estimator", "grpo", "--max-steps", "2", "--ppo-epochs", "2", "--micro-batch-size", "8"]
-    main(grpo_args(model, answer_prompts, reward_file, tmp_path / "shared", *common))
+    # --share-prompt-min-gflop 0: a tiny model's forwards share whatever they save (the path under test)
+    main(grpo_args(model, answer_prompts, reward_file, tmp_path / "shared", *common, "--share-prompt-min-gflop", "0"))
     main(grpo_args(model, answer_prompts, reward_file, tmp_path / "plain", *common, "--no-share-prompt-forward"))
     shared, plain = read_metrics(tmp_path / "shared"), read_metrics(tmp_path / "plain")
     for a, b in zip(shared, plain):

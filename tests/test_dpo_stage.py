@@ -272,7 +272,7 @@ def test_prompts_are_shared_only_where_that_saves_compute(base_model: Path) -> N
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     rows = [{"prompt_len": 20, "chosen_ids": list(range(5, 25)) + [30, 31], "rejected_ids": list(range(5, 25)) + [32]}]
     batch = collate_preference(rows * 4, pad_token_id=0)
-    ctx = SimpleNamespace(world_size=1)
+    ctx = SimpleNamespace(world_size=1, all_agree=lambda flag: flag)
     parameters = sum(p.numel() for p in model.parameters())  # ~30k: sharing 80 prompt tokens saves ~5 MFLOP
     default = DPOConfig()
     assert not forward_plan(model, batch, default, ctx, False, parameters).share  # type: ignore[arg-type]

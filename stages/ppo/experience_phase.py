@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -10,10 +11,15 @@ from torch import nn
 from rlhf.algorithms.advantages import group_baseline_scores
 from rlhf.engine.micro_batches import column_span, forward_in_micro_batches
 from rlhf.engine.packing import packed_logprobs, packed_values, packs_fewer_tokens
-from rlhf.engine.prompt_sharing import padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs
+from rlhf.engine.prompt_sharing import (
+    padded_forward_tokens, response_logprobs, response_prefix, shared_prompt_logprobs, sharing_pays,
+)
+from rlhf.logging import get_logger
 from rlhf.stages.experience import Experience, build_experience
 from rlhf.stages.ppo.parts import critic_values
 from rlhf.stages.rollouts import Rollouts, global_scores
+
+log = get_logger(__name__)
 
 
 class ExperiencePhase:
@@ -88,11 +94,23 @@ class ExperiencePhase:
         values[:, lo:hi] = kept.detach()
         return values
 
-    @property
+    @functools.cached_property
     def shares_prompts(self) -> bool:
         """The actor and reference forwards run each sampled group's prompt once (--share-prompt-forward
-        with --samples-per-prompt > 1; see engine/prompt_sharing.py)."""
-        return self.config.share_prompt_forward and self.group_size > 1
+        with --samples-per-prompt > 1; see engine/prompt_sharing.py), where a micro-batch's forward
+        saves at least --share-prompt-min-gflop at the data's mean prompt length (the same on every rank)."""
+        config = self.config
+        if not (config.share_prompt_forward and self.group_size > 1):
+            return False
+        rows = config.engine.micro_batch_size
+        mean_prompt = sum(map(len, self.prompts.ids)) / len(self.prompts.ids)
+        saved = int(rows * mean_prompt * (1 - 1 / min(self.group_size, rows)))
+        parameters = sum(p.numel() for p in self.actor.model.parameters())
+        pays = sharing_pays(parameters, saved, config.share_prompt_min_gflop)
+        if not pays:
+            log.info("ppo: each row runs its prompt (a shared prompt would save %.3f GFLOP a forward of %d rows, "
+                     "under --share-prompt-min-gflop %g)", 2e-9 * parameters * saved, rows, config.share_prompt_min_gflop)
+        return pays
 
     def critic_forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
                        shared_prefix: int = 0) -> torch.Tensor:

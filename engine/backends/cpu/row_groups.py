@@ -26,6 +26,7 @@ the CPU step.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -42,7 +43,17 @@ _CACHE_INDEX = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def last_level_cache_bytes(cache_dir: Path = _CACHE_INDEX) -> int | None:
-    """The size of CPU 0's largest-level data or unified cache (Linux sysfs), None where unknown."""
+    """The size of CPU 0's largest-level data or unified cache (Linux sysfs), None where unknown;
+    this machine's (the default folder) is read once per process, as every rollout asks."""
+    return _this_machine_cache_bytes() if cache_dir == _CACHE_INDEX else _read_cache_bytes(cache_dir)
+
+
+@functools.cache
+def _this_machine_cache_bytes() -> int | None:
+    return _read_cache_bytes(_CACHE_INDEX)
+
+
+def _read_cache_bytes(cache_dir: Path) -> int | None:
     best_level, best_size = 0, None
     for index in sorted(cache_dir.glob("index*")):
         try:

@@ -177,7 +177,8 @@ def test_packed_forwards_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_
     ValueModel.from_causal_lm_dir(model, head_init_std=0.5).save_pretrained(reward_model)
     load_tokenizer(str(model)).save_pretrained(reward_model)
     fixed = ("--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "8", "--max-tokens-per-micro-batch", "400",
-             "--reward", str(reward_model), "--samples-per-prompt", "2", "--temperature", "1.0")
+             "--reward", str(reward_model), "--samples-per-prompt", "2", "--temperature", "1.0",
+             "--share-prompt-min-gflop", "0")  # a tiny model's pairs share their prompt (the path under test)
     padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences")
     assert calls == {"actor": 0, "ref": 0, "critic": 0, "reward": 0}
     packed = _ppo(model, prompts, tmp_path / "packed", *fixed)
@@ -199,7 +200,8 @@ def test_group_packs_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path
         len(u.rows) for u in real(*a, **k)) or real(*a, **k))
     model = tiny_model_dirs["llama"]
     fixed = ("--advantage-estimator", "grpo", "--samples-per-prompt", "4", "--lr", "1e-3", "--micro-batch-size", "8",
-             "--max-tokens-per-micro-batch", "400", "--temperature", "1.0")
+             "--max-tokens-per-micro-batch", "400", "--temperature", "1.0",
+             "--share-prompt-min-gflop", "0")  # a tiny model's groups share their prompt (the path under test)
     padded = _ppo(model, prompts, tmp_path / "padded", *fixed, "--no-pack-sequences", critic=False)
     assert units == []
     packed = _ppo(model, prompts, tmp_path / "packed", *fixed, critic=False)

@@ -44,11 +44,11 @@ class ExperiencePhase:
         reference model) and the critic's values (None without a critic), in micro-batches."""
         seq, attn = rollouts.sequences, rollouts.attention_mask
         micro = self.config.engine.micro_batch_size
-        self.actor.eval()
         start, share = response_prefix(rollouts.action_mask), self.shares_prompts
         old_logprobs = None
         self.ran_old_logprob_forward = False
         if not self.on_policy_update:
+            self.actor.eval()  # only where its forward runs: an on-policy update's experience needs none
             if self.recompute_old_logprobs or self.rollout_is != "off" or rollouts.logprobs is None:
                 old_logprobs = forward_in_micro_batches(
                     lambda s, m, lo: self.policy_forward(s, m, max(start - lo, 0), share)[0], seq, attn, micro,

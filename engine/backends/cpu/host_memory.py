@@ -68,6 +68,7 @@ def tune_glibc_malloc() -> bool:
     _libc = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    libc.sbrk.argtypes, libc.sbrk.restype = [ctypes.c_ssize_t], ctypes.c_size_t
     _tuned = all(mallopt(option, value) == 1 for option, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_TOP_PAD, TOP_PAD)))
@@ -88,12 +89,23 @@ def heap_span() -> tuple[int, int] | None:
     return None
 
 
+def _heap_end() -> int:
+    """The heap's end as /proc/self/maps shows it: the program break (sbrk(0)) rounded up to a page."""
+    assert _libc is not None
+    page = os.sysconf("SC_PAGE_SIZE")
+    return (_libc.sbrk(0) + page - 1) // page * page
+
+
 def populate_heap() -> int:
     """Fault in the heap's pages not yet resident (see the module docstring): the bytes of the
     heap it covered (0: nothing new, or the malloc settings are not this module's, or the kernel
     cannot)."""
     global _populated_end, _populate_refused
-    span = heap_span() if _tuned and not _populate_refused else None
+    if not _tuned or _populate_refused:
+        return 0
+    if _heap_end() == _populated_end:
+        return 0  # the heap has not moved: no /proc/self/maps read (a PPO iteration on a tiny model is ~15 ms)
+    span = heap_span()
     if span is None:
         return 0
     _populated_end = min(_populated_end, span[1])  # a trimmed heap's pages above its end went back

@@ -545,7 +545,7 @@ class PPOConfig(RunConfig):
     forward has a fixed cost of op dispatch. Measured on a 2-layer, 64-wide Llama (a GRPO batch of 4
     prompts x 8 samples, 31-column prompts, ~5-token responses, 2 CPU threads; medians of 15 alternations):
     forward and backward take 9.2 ms shared, 8.6 ms plain (it would save 0.15 GFLOP). On SmolLM2-135M the
-    same batch saves ~3 GFLOP a forward, and sharing pays.
+    same batch shape saves ~230 GFLOP a forward, and sharing pays.
     """
     pack_sequences: bool = True
     """With --max-tokens-per-micro-batch, run each micro-batch's real tokens packed end to end (no padding computed)

@@ -75,6 +75,11 @@ def compile_decoder_layer(layer: nn.Module) -> None:
     its own graph, which would spend dynamo's recompile limit (shared by all layers) in one forward.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # Under activation checkpointing, torch >= 2.14 refuses (and runs eager) a layer whose forward
+        # has a side effect: transformers' output-capturing hooks read a context variable. Those
+        # hooks record nothing in training, so the recompute in backward need not replay them.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layer.compile()
     compiled, eager = layer._compiled_call_impl, layer._call_impl
 

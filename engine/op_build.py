@@ -297,7 +297,7 @@ def compile_op(spec: OpSpec, folder: Path, csrc: Path | None = None) -> ModuleTy
     for rel in source_files(spec, csrc):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(csrc / rel, src / rel)
-    # torch's own lock (FileBaton) waits forever on a file a killed build left; ours is held now.
+    # torch < 2.14's own lock (FileBaton) waits forever on a file a killed build left; ours is held now.
     (folder / "lock").unlink(missing_ok=True)
     start = time.perf_counter()
     verbose = debug_enabled()

@@ -73,10 +73,12 @@ def test_same_sources_share_one_build_and_changed_ones_do_not_collide(
 ) -> None:
     a, b, c = _sources(tmp_path / "a"), _sources(tmp_path / "b"), _sources(tmp_path / "c", answer=43)
     folder = build_folder(TINY, a)
-    (folder / "lock").write_text("")  # torch's FileBaton left by a killed build: it would wait forever
+    # A lock file left by a killed build: torch < 2.14's FileBaton would wait on it forever (2.14's
+    # flock-based FileLock keeps the file by design), so the build must go ahead regardless.
+    (folder / "lock").write_text("")
     with build_lock(folder, TINY.name):
         assert op_build.compile_op(TINY, folder, a).answer() == 42
-    assert (folder / "build.log").is_file() and not (folder / "lock").exists()
+    assert (folder / "build.log").is_file()
 
     # Another checkout with the same sources: the same folder, loaded without any compiler run.
     import torch.utils.cpp_extension as cpp_extension

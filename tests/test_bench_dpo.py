@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlhf.models.tiny import save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_bench_dpo_runs_ours_and_prints_one_json_line(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "tiny", "llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
     out = tmp_path / "bench"

@@ -51,6 +51,7 @@ def run_bench(tmp_path: Path, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_bench_learning_ours_only(tmp_path: Path) -> None:
     line = run_bench(tmp_path, "--skip-peer")
     assert set(line) == KEYS

@@ -134,6 +134,7 @@ def test_rollout_of_a_compiled_engine_is_plain_and_passes_parity(tiny_model_dirs
     assert graphs_compiled() >= 1  # the parity check ran the compiled train model
 
 
+@pytest.mark.slow
 def test_ppo_with_compile_runs_from_the_command_line(tiny_model_dirs, tmp_path):
     model = tiny_model_dirs["llama"]
     reward = tmp_path / "reward.py"

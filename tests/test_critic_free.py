@@ -172,6 +172,7 @@ def test_critic_free_refuses_a_critic(tiny_model_dirs, answer_prompts, reward_fi
     assert "--critic" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("cpu_only")
 def test_groups_spanning_ranks_match_one_rank(tiny_model_dirs, answer_prompts, reward_file, tmp_path):
     """Group of 8 over a TP-2 pair of ranks (4 samples each) vs the same 8 on one rank: the group
@@ -189,6 +190,7 @@ def test_groups_spanning_ranks_match_one_rank(tiny_model_dirs, answer_prompts, r
     assert one["advantage_std"] > 0.1  # the group really had different scores
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("cpu_only")
 def test_dynamic_sampling_on_two_ranks(tiny_model_dirs, answer_prompts, reward_file, tmp_path):
     """Groups of 4 over two ranks of 2 rows each (tp 1: each rank samples its half of a group):

@@ -208,6 +208,7 @@ def test_sft_trains_on_every_assistant_turn_from_the_cli(tiny_model_dirs, tmp_pa
     assert load_tokenizer(str(out / "model")).chat_template == SIMPLE_TEMPLATE  # the next stage renders the same
 
 
+@pytest.mark.slow
 def test_rollout_check_uses_the_longest_prompt_not_the_cap(tmp_path):
     """A model of 64 positions, prompts of ~20 tokens: --max-prompt-len's default 256 is no reason to refuse."""
     model = save_tiny_model(tmp_path / "short", "llama", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,

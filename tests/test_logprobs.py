@@ -225,6 +225,7 @@ def _peak_memory(mode: str, rows: int, vocab: int, chunk: int) -> dict[str, int]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
 def test_peak_memory_chunked_vs_naive() -> None:
     """Peak resident memory of forward (graph alive) and backward, measured in fresh processes."""

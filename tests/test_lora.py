@@ -132,6 +132,7 @@ def _losses(output) -> list[float]:
     return train_losses(output)
 
 
+@pytest.mark.slow
 def test_lora_sft_on_two_ranks_learns_and_its_adapter_equals_the_merged_export(tmp_path, tiny_model_dirs,
                                                                                sft_data) -> None:
     from peft import PeftModel

@@ -299,6 +299,7 @@ def assert_within(result: dict, tolerance: float = check_plan.TOLERANCE) -> None
         assert abs(p["ratio_above_baseline"] - 1) <= tolerance, (phase, p)
 
 
+@pytest.mark.slow
 def test_sft_measures_each_phase_and_the_plan_predicts_it(tmp_path: Path) -> None:
     """sft logs peak_mem_gb_train/_eval and mem_baseline_gb; the plan is within 15% of them, on
     total RSS and above the baseline (a 10M-parameter model: params, grads and Adam weigh as
@@ -311,6 +312,7 @@ def test_sft_measures_each_phase_and_the_plan_predicts_it(tmp_path: Path) -> Non
     assert all("peak_mem_gb_train" in r and "mem_baseline_gb" in r for r in rows if "loss" in r)
 
 
+@pytest.mark.slow
 def test_plan_predicts_ppo_phases_within_15_percent(tmp_path: Path) -> None:
     """PPO's four phases (GAE, reward model and critic) on a 10M-parameter model."""
     cases = {c.name: c for c in check_plan.cases(256, 64, 64)}

@@ -77,6 +77,7 @@ def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 2
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_second_run_and_a_resume_while_training_are_refused(tiny_model_dirs, sft_data, tmp_path):
     """A real training run holds its folder; a second run and a --resume are refused (exit 2, one
     line with its pid), then the lock of the killed run is taken over by the next --resume."""
@@ -104,6 +105,7 @@ def test_a_second_run_and_a_resume_while_training_are_refused(tiny_model_dirs, s
     assert (run / "DONE").is_file() and not (run / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_two_e2e_runs_on_one_folder_the_second_is_refused(tmp_path):
     run = tmp_path / "e2e"
     args = ["e2e", "--output", str(run), "--report-to", "none", "--n-sft", "16", "--n-pairs", "16", "--n-prompts",

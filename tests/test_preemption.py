@@ -130,6 +130,7 @@ def ppo_args(tiny_model_dirs, tmp_path) -> list[str]:
             "--optimizer-impl", "torch", "--lr", "1e-2", "--lr-scheduler", "constant", "--dtype", "fp32"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_mid_ppo_iteration_stops_after_it_and_resume_is_bit_equal(nproc, ppo_args, tmp_path):
     args = [*ppo_args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
@@ -153,6 +154,7 @@ def test_sigterm_mid_ppo_iteration_stops_after_it_and_resume_is_bit_equal(nproc,
     assert same_weights(cut / "model", tmp_path / "full" / "model")
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once_keeping_the_last_checkpoint(ppo_args, tmp_path):
     cut, log, marker = tmp_path / "cut", tmp_path / "cut.log", tmp_path / "sent"
     args = [*ppo_args, "--save-interval", "1", "--output", str(cut)]

@@ -318,6 +318,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_wandb_online_without_a_reachable_server_goes_offline(tiny_model_dirs, sft_data, tmp_path) -> None:
     pytest.importorskip("wandb")
     out = tmp_path / "out"

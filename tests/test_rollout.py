@@ -40,6 +40,7 @@ def run_worker(model: Path, out: Path, nproc: int, tp: int, zero_stage: int = 3)
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_zero3_shards_to_tp2_rollout_matches_world_size_one(peaky_model, tmp_path):
     single = run_worker(peaky_model, tmp_path / "one.json", nproc=1, tp=1)
     tp2 = run_worker(peaky_model, tmp_path / "two.json", nproc=2, tp=2)

@@ -211,6 +211,7 @@ def test_group_packs_train_as_the_padded_ones(tiny_model_dirs, prompts, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_token_budget_on_two_ranks_matches_one(tmp_path, prompts, estimator: str) -> None:
     """Ranks cut their rows into as many micro-batches (the most any rank needs) and weight them

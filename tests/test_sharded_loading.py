@@ -302,6 +302,7 @@ def test_a_folder_without_safetensors_is_loaded_in_full(folders: dict[str, str],
 # ---------------------------------------------------------------- memory
 
 
+@pytest.mark.slow
 def test_peak_rss_while_loading_is_about_half_the_model_per_rank() -> None:
     """2 ranks, ZeRO-3, a ~190 MB fp32 Llama: each rank's peak RSS while its TrainEngine loads is at most
     0.6 x the model's fp32 bytes over the process's RSS before loading (0.5 is the rank's own half)."""

@@ -139,6 +139,7 @@ def test_ppo_resume_on_a_tied_model_continues_exactly(tied_models, data, tmp_pat
 
 
 # One family in the default suite (~16 s: two subprocesses), the other marked slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_two_rank_tp2_rollout_on_a_tied_model_matches_one_rank(family: str, tied_models, data, tmp_path: Path) -> None:
     args = ["ppo", "--actor", str(tied_models[family]), "--critic", str(tied_models[family]), "--reward-fn", "sort",

@@ -164,6 +164,7 @@ def test_ppo_with_tools_trains_on_the_sampled_and_tool_tokens(tool_caller, tmp_p
     assert rows[0]["rollout_parity_max_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_ppo_with_tools_two_ranks_match_one(tool_caller, tmp_path):
 
 
@@ -173,6 +174,7 @@ def test_ppo_with_tools_two_ranks_match_one(tool_caller, tmp_path):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
 
 
+@pytest.mark.slow
 def test_ppo_with_tools_resumes_mid_run_exactly(tool_caller, tmp_path):
     import shutil
 
